@@ -1,0 +1,1 @@
+"""failover: active-standby LLM serving with resident weights and sub-second promotion."""

@@ -1,0 +1,5 @@
+import sys
+
+from failover.cli import main
+
+sys.exit(main())

@@ -1,0 +1,53 @@
+"""The ``failover`` command: one entry point, a subcommand per component.
+
+Each subcommand lives next to the component it drives and exposes ``main(argv) -> int``; this module
+only dispatches, so importing it costs nothing (torch is imported by the subcommands that need it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, one-line help). Modules are imported only when their command runs.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "tiny-model": ("failover.tiny_model", "write a small random-weight Llama-family checkpoint"),
+    "daemon": ("cache_daemon.cli", "run the per-node weight cache daemon"),
+    "engine": ("engine.cli", "run the reference OpenAI-compatible engine"),
+    "router": ("router.cli", "run the active-standby router alone in front of engines"),
+    "up": ("failover.cmd_up", "bring up daemon, engines and router from a config file"),
+    "status": ("failover.cmd_admin", "show services and instances"),
+    "promote": ("failover.cmd_admin", "promote a standby to primary"),
+    "drain": ("failover.cmd_admin", "stop routing to an instance and wait for its requests"),
+    "preempt": ("failover.cmd_admin", "evict a batch service"),
+    "resume": ("failover.cmd_admin", "let a preempted batch service come back"),
+    "demo": ("failover.demo", "tiny model on CPU: bring the stack up, kill the primary, print the timeline"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: failover COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    lines += ["", "run 'failover COMMAND --help' for a command's options"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"failover: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    # Admin commands share one module; they get their own name as the first argument.
+    if COMMANDS[name][0] == "failover.cmd_admin":
+        rest = [name, *rest]
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

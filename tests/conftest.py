@@ -1,0 +1,100 @@
+"""Fixtures every test may use: a tiny checkpoint, free ports, a private run dir, process cleanup."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from failover.tiny_model import TinySpec, write_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A 2-layer Llama checkpoint in two safetensors files (shared, read-only by convention)."""
+    return write_checkpoint(tmp_path_factory.mktemp("tiny-llama"), TinySpec(shards=2))
+
+
+@pytest.fixture
+def run_dir():
+    """A private (0700) run directory, short enough for AF_UNIX paths, removed afterwards."""
+    d = Path(tempfile.mkdtemp(prefix="fo-", dir="/tmp"))
+    os.chmod(d, 0o700)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class Procs:
+    """Starts named child processes for a test and ends every one of them (TERM, then KILL)."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen] = []
+
+    def start(self, args: list[str], **kw) -> subprocess.Popen:
+        kw.setdefault("start_new_session", True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **kw.pop("env", {}))
+        proc = subprocess.Popen(args, env=env, cwd=kw.pop("cwd", REPO), **kw)
+        self.started.append(proc)
+        return proc
+
+    def python(self, *args: str, **kw) -> subprocess.Popen:
+        return self.start([sys.executable, *args], **kw)
+
+    def stop_all(self, timeout: float = 10.0) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                _signal_group(proc, signal.SIGTERM)
+        for proc in self.started:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait(5)
+            # the group may hold grandchildren even after the leader exited
+            _signal_group(proc, signal.SIGKILL)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@pytest.fixture
+def procs():
+    p = Procs()
+    yield p
+    p.stop_all()
