@@ -1,0 +1,369 @@
+"""The node config: one TOML file parsed once into frozen, validated msgspec Structs.
+
+``load_config(path)`` checks the shape (unknown keys, types, allowed values) and the cross-field rules
+(unique names and ports); ``preflight(config)`` checks the machine (model files, tensor-parallel
+split, free ports, run dir) and runs only before ``failover up`` starts anything. Admin commands load
+the same file to find the router and its token, without the machine checks.
+
+Every error names its key path (``service[1].port``) and says what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal, get_args, get_origin, get_type_hints
+
+import msgspec
+
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+DTYPES = ("float32", "bfloat16", "float16")
+TEMPLATE_FIELDS = ("model", "host", "port", "name", "service", "socket", "tp", "dtype", "device",
+                   "transform", "kv_memory", "run_dir")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; ``problems`` holds one line per problem, each naming its key."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source, self.problems = source, problems
+        super().__init__(f"{source}: " + "; ".join(problems) if len(problems) == 1 else
+                         f"{source}: {len(problems)} problems:\n  " + "\n  ".join(problems))
+
+
+class _Base(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ModelConfig(_Base):
+    path: str
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    tp: PositiveInt = 1
+    device: Literal["cpu", "cuda"] = "cuda"
+    transform: Literal["none", "fp8-block"] = "none"
+
+
+class RouterConfig(_Base):
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    admin_token_file: str = ""  # default: RUN_DIR/admin.token (written 0600 at startup)
+    probe_interval: Positive = 0.5
+    probe_timeout: Positive = 1.0
+    probe_threshold: PositiveInt = 3
+    queue_timeout: Positive = 30.0  # how long a request may wait for a ready primary
+
+
+class SupervisorConfig(_Base):
+    launch: Literal["zygote", "spawn"] = "zygote"
+    ready_timeout: Positive = 120.0  # per instance, from launch to /ready
+    daemon_ready_timeout: Positive = 600.0  # loading a large checkpoint takes minutes
+    stop_timeout: Positive = 10.0  # SIGTERM -> SIGKILL
+    drain_timeout: Positive = 30.0  # at clean shutdown, for in-flight requests
+    restart_attempts: PositiveInt = 5  # per replacement, with exponential backoff
+    backoff_initial: Positive = 0.2
+    backoff_max: Positive = 10.0
+    crash_loop_exits: PositiveInt = 5  # this many exits of one service ...
+    crash_loop_window: Positive = 60.0  # ... within this many seconds: the service is marked failed
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class BatchConfig(_Base):
+    """Input and output of a ``kind = "batch"`` service (issue 6: co-serving)."""
+
+    input: str
+    output: str
+
+
+class ServiceConfig(_Base):
+    name: str
+    priority: int = 0
+    kind: Literal["online", "batch"] = "online"
+    standbys: Annotated[int, msgspec.Meta(ge=0)] = 1
+    kv_memory: int | str = "256MiB"
+    port: Port | None = None  # first port; instances take port, port+1, ... (1 + standbys of them)
+    port_range: tuple[Port, Port] | None = None  # inclusive [first, last]
+    max_batch: PositiveInt = 16
+    command: list[str] | None = None  # external engine: argv template with {port}, {model}, ...
+    ready_path: str = "/ready"  # for external engines
+    batch: BatchConfig | None = None
+
+    @property
+    def kv_memory_bytes(self) -> int:
+        return parse_size(self.kv_memory)
+
+    @property
+    def instances(self) -> int:
+        return 1 + self.standbys
+
+    @property
+    def ports(self) -> list[int]:
+        """The ports this service's instance slots listen on, in slot order."""
+        if self.port_range is not None:
+            return list(range(self.port_range[0], self.port_range[1] + 1))[: self.instances]
+        assert self.port is not None, "checked in _check_services"
+        return [self.port + i for i in range(self.instances)]
+
+    def slot_names(self) -> list[str]:
+        return [f"{self.name}-{i}" for i in range(self.instances)]
+
+
+class Config(_Base):
+    run_dir: str
+    model: ModelConfig
+    service: list[ServiceConfig]
+    router: RouterConfig = RouterConfig()
+    supervisor: SupervisorConfig = SupervisorConfig()
+    source: str = ""  # the file it came from (set by load_config, not by the user)
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir)
+
+    @property
+    def token_path(self) -> Path:
+        return Path(self.router.admin_token_file) if self.router.admin_token_file else self.run_path / "admin.token"
+
+    @property
+    def daemon_socket(self) -> Path:
+        return self.run_path / "daemon.sock"
+
+    @property
+    def daemon_ready_file(self) -> Path:
+        return self.run_path / "daemon.ready"
+
+    @property
+    def router_url(self) -> str:
+        host = "127.0.0.1" if self.router.host in ("0.0.0.0", "") else self.router.host
+        host = "[::1]" if host == "::" else host
+        return f"http://{host}:{self.router.port}"
+
+
+def parse_size(value: int | str) -> int:
+    """``268435456``, ``"256MiB"``, ``"1.5GB"`` -> bytes."""
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("must not be negative")
+        return value
+    m = _SIZE.match(value)
+    if not m:
+        raise ValueError(f"{value!r} is not a size; use bytes or a number with B, KiB, MiB, GiB (or KB, MB, GB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+
+
+def load_config(path: str | Path) -> Config:
+    """Parse and check ``path``; raises ConfigError naming each problem's key."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(str(path), ["file not found; pass the path of a TOML config (see deploy/examples/)"]) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(str(path), [f"not valid TOML: {e}"]) from None
+    return parse_config(raw, source=str(path))
+
+
+def parse_config(raw: dict, *, source: str = "<config>") -> Config:
+    if "source" in raw:
+        raise ConfigError(source, [_unknown_key("", "source", Config)])
+    try:
+        config = msgspec.convert(raw, Config)
+    except msgspec.ValidationError as e:
+        raise ConfigError(source, [_explain(str(e))]) from None
+    problems = _check_services(config)
+    if problems:
+        raise ConfigError(source, problems)
+    return msgspec.structs.replace(config, source=source)
+
+
+def _check_services(config: Config) -> list[str]:
+    problems: list[str] = []
+    if not config.service:
+        problems.append("service: at least one [[service]] table is needed")
+    if len(str(config.daemon_socket).encode()) > 100:
+        problems.append(f"run_dir: {config.run_dir!r} is too long for a unix socket path; use a short path such as /run/failover")
+    owner: dict[int, str] = {config.router.port: "router.port"}
+    seen: set[str] = set()
+    for i, svc in enumerate(config.service):
+        key = f"service[{i}]"
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", svc.name):
+            problems.append(f"{key}.name: {svc.name!r} must be letters, digits, '.', '_' or '-' (at most 63)")
+        if svc.name in seen:
+            problems.append(f"{key}.name: {svc.name!r} is used by two services; names must be unique")
+        seen.add(svc.name)
+        try:
+            svc.kv_memory_bytes
+        except ValueError as e:
+            problems.append(f"{key}.kv_memory: {e}")
+        if svc.kind == "batch" and svc.standbys:
+            problems.append(f"{key}.standbys: a batch service has no standbys; set 0")
+        if svc.kind == "batch" and svc.batch is None:
+            problems.append(f"{key}.batch: a batch service needs [service.batch] with input and output")
+        if svc.command is not None:
+            problems += _check_template(key, svc.command)
+        if (svc.port is None) == (svc.port_range is None):
+            problems.append(f"{key}: set exactly one of port (first port) or port_range ([first, last])")
+            continue
+        if svc.port_range is not None:
+            lo, hi = svc.port_range
+            if hi - lo + 1 < svc.instances:
+                problems.append(f"{key}.port_range: [{lo}, {hi}] holds {max(hi - lo + 1, 0)} port(s); "
+                                f"1 primary + {svc.standbys} standby(s) need {svc.instances}")
+                continue
+        elif svc.port + svc.instances - 1 > 65535:
+            problems.append(f"{key}.port: {svc.port} + {svc.standbys} standby port(s) pass 65535")
+            continue
+        port_key = f"{key}.port_range" if svc.port_range is not None else f"{key}.port"
+        for port in svc.ports:
+            if port in owner:
+                problems.append(f"{port_key}: port {port} is also used by {owner[port]}; give each service its own ports")
+            owner[port] = f"service[{i}] ({svc.name})"
+    return problems
+
+
+def _check_template(key: str, command: list[str]) -> list[str]:
+    problems = []
+    if not command:
+        problems.append(f"{key}.command: empty; give an argv list such as [\"vllm\", \"serve\", \"{{model}}\", \"--port\", \"{{port}}\"]")
+    for part in command:
+        for field in re.findall(r"{([^{}]*)}", part):
+            if field not in TEMPLATE_FIELDS:
+                problems.append(f"{key}.command: unknown placeholder {{{field}}}; allowed: "
+                                + ", ".join("{%s}" % f for f in TEMPLATE_FIELDS))
+    return problems
+
+
+def preflight(config: Config) -> None:
+    """Check the machine before anything starts: model files, tp split, free ports, run dir."""
+    problems = _check_model(config.model)
+    ports = [("router.port", config.router.host, config.router.port)]
+    for i, svc in enumerate(config.service):
+        ports += [(f"service[{i}] ({svc.name})", "127.0.0.1", p) for p in svc.ports]
+    for key, host, port in ports:
+        if not port_is_free(host, port):
+            problems.append(f"{key}: port {port} is in use on {host}; stop what holds it or choose another port")
+    run = config.run_path
+    if run.exists() and not run.is_dir():
+        problems.append(f"run_dir: {run} exists and is not a directory")
+    elif (run / "daemon.sock").exists() or (run / "supervisor.pid").exists():
+        problems.append(f"run_dir: {run} holds a daemon socket or supervisor pid file: another `failover up` "
+                        "may be running there; stop it, or remove the stale files")
+    if problems:
+        raise ConfigError(config.source, problems)
+
+
+def _check_model(model: ModelConfig) -> list[str]:
+    path = Path(model.path)
+    if not path.is_dir():
+        return [f"model.path: {model.path!r} does not exist; create a checkpoint there "
+                f"(e.g. `failover tiny-model {model.path}`) or point to a Hugging Face model directory"]
+    if not (path / "config.json").is_file():
+        return [f"model.path: {model.path!r} has no config.json; point to a Hugging Face model directory"]
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        return [f"model.path: {path / 'config.json'} is not valid JSON: {e}"]
+    problems = []
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = hf.get(field)
+        if isinstance(value, int) and value % model.tp:
+            problems.append(f"model.tp: {model.tp} does not divide {field} = {value} of the model; "
+                            f"use a tp that divides it")
+    return problems
+
+
+def port_is_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is free
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+# --- turning msgspec's messages into ones that name the key and what is allowed ---------------------
+
+_TYPE_WORDS = {"int": "an integer", "str": "a string", "float": "a number", "bool": "true or false",
+               "array": "an array", "object": "a table", "null": "absent"}
+
+
+def _explain(message: str) -> str:
+    text, _, where = message.partition(" - at `")
+    path = where.rstrip("`").removeprefix("$").lstrip(".")
+    struct = _struct_at(path)
+    m = re.match(r"Object contains unknown field `(.+)`", text)
+    if m:
+        return _unknown_key(path, m.group(1), struct)
+    m = re.match(r"Object missing required field `(.+)`", text)
+    if m:
+        return f"{_join(path, m.group(1))}: required key is missing"
+    if text.startswith("Invalid enum value"):
+        allowed = _literal_values(path)
+        return f"{path}: {text.removeprefix('Invalid enum value ')} is not allowed; allowed: {allowed}"
+    m = re.match(r"Expected `(.+?)`(.*?)(?:, got `(.+)`)?$", text)
+    if m:
+        want = " or ".join(_TYPE_WORDS.get(t.strip(), t.strip()) for t in m.group(1).split("|")
+                           if t.strip() != "null")
+        got = f", got {_TYPE_WORDS.get(m.group(3), m.group(3))}" if m.group(3) else ""
+        return f"{path}: expected {want}{m.group(2)}{got}"
+    return f"{path or 'config'}: {text}"
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _unknown_key(path: str, key: str, struct: type | None) -> str:
+    allowed = ", ".join(f for f in struct.__struct_fields__ if f != "source") if struct else "?"
+    close = [f for f in (struct.__struct_fields__ if struct else ()) if _similar(key, f)]
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{_join(path, key)}: unknown key{hint}; allowed keys here: {allowed}"
+
+
+def _similar(a: str, b: str) -> bool:
+    import difflib
+
+    return difflib.SequenceMatcher(None, a, b).ratio() >= 0.75
+
+
+def _resolve(path: str) -> object:
+    """The annotated type at a key path such as ``service[0].batch``."""
+    tp: object = Config
+    for part in filter(None, re.split(r"\.|\[\d+\]", path)):
+        tp = _strip(tp)
+        if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+            tp = get_type_hints(tp, include_extras=True).get(part)
+    return tp
+
+
+def _strip(tp: object) -> object:
+    """Peel Annotated, Optional and list[...] down to the element type."""
+    while True:
+        origin = get_origin(tp)
+        if origin is Annotated:
+            tp = get_args(tp)[0]
+        elif origin is list:
+            tp = get_args(tp)[0]
+        elif origin is not None and type(None) in get_args(tp):
+            tp = next(a for a in get_args(tp) if a is not type(None))
+        else:
+            return tp
+
+
+def _struct_at(path: str) -> type | None:
+    tp = _strip(_resolve(path)) if path else Config
+    return tp if isinstance(tp, type) and issubclass(tp, msgspec.Struct) else None
+
+
+def _literal_values(path: str) -> str:
+    tp = _strip(_resolve(path))
+    return ", ".join(repr(v) for v in get_args(tp)) if get_origin(tp) is Literal else "?"

@@ -1,0 +1,127 @@
+"""How the supervisor starts engine processes: a fork of the zygote (fast) or a cold spawn (fallback).
+
+``Zygote`` owns the zygote process and the socketpair to it. Fork requests are answered in order, one
+at a time; if the zygote dies, the next request restarts it (and the supervisor restarts it at once,
+so the next request does not pay for ``import torch``). ``spawn_cold`` runs ``python -m failover
+engine ...`` in a fresh interpreter: the comparison path in bench/relaunch.py, and the fallback when
+the zygote cannot be started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+import sys
+import time
+from typing import Callable
+
+import structlog
+
+from failover import processes
+from failover.processes import Child
+from failover.zygote import Failed, Fork, Forked, Hello, decode, encode
+
+log = structlog.get_logger(__name__)
+
+
+class ZygoteError(RuntimeError):
+    pass
+
+
+class Zygote:
+    """The supervisor's handle on its zygote; ``fork()`` returns a watched ``Child``."""
+
+    def __init__(self, *, preload: str = "torch,engine.cli", env: dict[str, str] | None = None,
+                 parent_pid: int | None = None, on_exit: Callable[[Child], None] | None = None,
+                 stdout=None) -> None:
+        self.preload, self.env, self.stdout = preload, env, stdout
+        self.parent_pid = os.getpid() if parent_pid is None else parent_pid
+        self.on_exit = on_exit
+        self.child: Child | None = None
+        self.hello: Hello | None = None
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._lock = asyncio.Lock()
+        self._ids = 0
+        self.restarts = -1
+
+    @property
+    def alive(self) -> bool:
+        return self.child is not None and self.child.alive
+
+    async def start(self, timeout: float = 120.0) -> Hello:
+        """Start the zygote and wait for its Hello (it has imported torch and the engine)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            args = [sys.executable, "-m", "failover.zygote", "--fd", str(theirs.fileno()),
+                    "--preload", self.preload]
+            self.child = processes.spawn("zygote", args, env=self.env, on_exit=self._exited,
+                                         pass_fds=(theirs.fileno(),), stdout=self.stdout)
+        finally:
+            theirs.close()
+        self.restarts += 1
+        self._reader, self._writer = await asyncio.open_unix_connection(sock=ours)
+        try:
+            msg = await asyncio.wait_for(self._read(), timeout)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+            await self.stop()
+            raise ZygoteError(f"the zygote did not come up ({type(e).__name__}); see its log above") from None
+        assert isinstance(msg, Hello), msg
+        self.hello = msg
+        log.info("zygote_ready", pid=msg.pid, import_s=round(msg.import_s, 3), preload=msg.preload)
+        return msg
+
+    def _exited(self, child: Child) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self.on_exit is not None:
+            self.on_exit(child)
+
+    async def _read(self):
+        assert self._reader is not None
+        (size,) = struct.unpack("!I", await self._reader.readexactly(4))
+        return decode(await self._reader.readexactly(size))
+
+    async def fork(self, name: str, argv: list[str], *, target: str = "engine.cli:main",
+                   env: dict[str, str] | None = None,
+                   on_exit: Callable[[Child], None] | None = None, timeout: float = 30.0) -> Child:
+        """Fork ``target(argv)`` as ``name``; the returned Child is watched from this instant."""
+        async with self._lock:
+            if not self.alive:
+                await self.start()
+            self._ids += 1
+            req = Fork(id=self._ids, name=name, argv=argv, target=target, parent_pid=self.parent_pid,
+                       env=env or {})
+            assert self._writer is not None
+            t0 = time.perf_counter()
+            try:
+                self._writer.write(encode(req))
+                await self._writer.drain()
+                reply = await asyncio.wait_for(self._read(), timeout)
+            except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+                raise ZygoteError(f"the zygote failed while forking {name}: {type(e).__name__}") from None
+        if isinstance(reply, Failed):
+            raise ZygoteError(f"the zygote could not fork {name}: {reply.message}")
+        assert isinstance(reply, Forked) and reply.id == req.id, reply
+        log.info("process_forked", process_name=name, pid=reply.pid, fork_ms=round((time.perf_counter() - t0) * 1e3, 2))
+        return processes.watch(name, reply.pid, on_exit=on_exit)
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        if self._writer is not None:
+            self._writer.close()  # EOF: the zygote leaves its loop and exits 0
+            self._writer = None
+        if self.child is not None:
+            try:
+                await self.child.wait(timeout)
+            except asyncio.TimeoutError:
+                await self.child.stop(timeout)
+
+
+def spawn_cold(name: str, argv: list[str], *, env: dict[str, str] | None = None,
+               on_exit: Callable[[Child], None] | None = None, stdout=None) -> Child:
+    """A fresh interpreter running ``failover engine ARGV`` (pays for ``import torch``)."""
+    args = [sys.executable, "-m", "failover", "engine", *argv]
+    return processes.spawn(name, args, env=env, on_exit=on_exit, stdout=stdout)

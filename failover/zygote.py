@@ -1,0 +1,195 @@
+"""The zygote: a process that has paid for ``import torch`` and the engine once, and forks engines.
+
+Started by the supervisor as ``python -m failover.zygote --fd N``, with one end of a socketpair as fd
+N. It imports the preload modules, says ``Hello``, and then serves ``Fork`` requests one at a time.
+It never creates a CUDA context, a thread pool or an event loop: each fork must get a clean copy.
+
+Each engine is double-forked: the zygote forks an intermediate that starts a new session, forks the
+engine and exits at once. The engine is re-parented to the nearest child subreaper, the supervisor,
+and only then sets PR_SET_PDEATHSIG against it. So the engine is the supervisor's child (reaped and
+watched there), dies with the supervisor, and outlives the zygote: a crashed zygote costs no
+serving engine, only a restart of itself.
+
+Wire: frames of a 4-byte big-endian length and a msgpack body, one tagged union (below).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+import traceback
+
+import msgspec
+
+MAX_FRAME = 1 << 20
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    """zygote -> supervisor, once the preload imports are done: the zygote is ready."""
+
+    pid: int
+    preload: list[str]
+    import_s: float
+
+
+class Fork(msgspec.Struct, tag="fork"):
+    """supervisor -> zygote: fork ``target(argv)`` as a process named ``name``.
+
+    ``target`` is ``module:function`` (a function taking argv and returning an exit code).
+    ``parent_pid``: the subreaper the engine must be re-parented to before it arms PR_SET_PDEATHSIG
+    (0: do not wait, for a zygote used without a subreaper).
+    """
+
+    id: int
+    name: str
+    argv: list[str]
+    target: str = "engine.cli:main"
+    parent_pid: int = 0
+    env: dict[str, str] = {}
+
+
+class Forked(msgspec.Struct, tag="forked"):
+    id: int
+    pid: int
+
+
+class Failed(msgspec.Struct, tag="failed"):
+    id: int
+    message: str
+
+
+Message = Hello | Fork | Forked | Failed
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    body = _encoder.encode(msg)
+    return struct.pack("!I", len(body)) + body
+
+
+def decode(body: bytes) -> Message:
+    return _decoder.decode(body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise EOFError("supervisor closed the zygote socket")
+        buf += chunk
+    return bytes(buf)
+
+
+def _read_frame(sock: socket.socket) -> Message:
+    (size,) = struct.unpack("!I", _recv_exact(sock, 4))
+    if size > MAX_FRAME:
+        raise ValueError(f"frame of {size} bytes is over the {MAX_FRAME} limit")
+    return decode(_recv_exact(sock, size))
+
+
+def serve(sock: socket.socket, preload: list[str], import_s: float) -> int:
+    sock.sendall(encode(Hello(pid=os.getpid(), preload=preload, import_s=import_s)))
+    while True:
+        try:
+            msg = _read_frame(sock)
+        except EOFError:
+            return 0  # the supervisor is gone or done with us
+        if not isinstance(msg, Fork):
+            sock.sendall(encode(Failed(id=-1, message=f"zygote: unexpected {type(msg).__name__}")))
+            continue
+        try:
+            pid = _double_fork(msg, sock)
+        except OSError as e:
+            sock.sendall(encode(Failed(id=msg.id, message=f"fork failed: {e}")))
+            continue
+        sock.sendall(encode(Forked(id=msg.id, pid=pid)))
+
+
+def _double_fork(req: Fork, sock: socket.socket) -> int:
+    r, w = os.pipe()
+    mid = os.fork()
+    if mid == 0:  # intermediate: new session, fork the engine, report its pid, vanish
+        try:
+            os.close(r)
+            sock.close()
+            os.setsid()
+            pid = os.fork()
+            if pid == 0:
+                os.close(w)
+                _run_child(req)  # never returns
+            os.write(w, struct.pack("!i", pid))
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        data = os.read(r, 4)
+    finally:
+        os.close(r)
+        os.waitpid(mid, 0)
+    if len(data) != 4:
+        raise OSError("the intermediate process died before reporting the engine pid")
+    return struct.unpack("!i", data)[0]
+
+
+def _run_child(req: Fork) -> None:
+    """In the forked engine: arm the parent-death signal, name the process, run the target."""
+    from failover.processes import set_pdeathsig, set_process_name
+
+    code = 1
+    try:
+        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
+        if req.parent_pid:
+            deadline = time.monotonic() + 5.0
+            while os.getppid() != req.parent_pid and time.monotonic() < deadline:
+                time.sleep(0.0005)  # the intermediate exits right after forking us
+            set_pdeathsig(signal.SIGKILL)
+            if os.getppid() != req.parent_pid:  # the supervisor died meanwhile (or is no subreaper)
+                os._exit(70)
+        set_process_name(req.name)
+        os.environ.update(req.env)
+        module, _, func = req.target.partition(":")
+        code = int(getattr(importlib.import_module(module), func or "main")(req.argv) or 0)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # the child must never return into the zygote's loop
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m failover.zygote", description=__doc__.splitlines()[0])
+    p.add_argument("--fd", type=int, required=True, help="inherited socket to the supervisor")
+    p.add_argument("--preload", default="torch,engine.cli",
+                   help="comma-separated modules to import before forking")
+    a = p.parse_args(argv)
+    from failover.processes import set_process_name
+
+    set_process_name("fo:zygote")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
+    sock = socket.socket(fileno=a.fd)
+    preload = [m for m in a.preload.split(",") if m]
+    t0 = time.perf_counter()
+    for module in preload:
+        importlib.import_module(module)
+    return serve(sock, preload, time.perf_counter() - t0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
