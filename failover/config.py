@@ -63,6 +63,9 @@ class RouterConfig(_Base):
 
 class SupervisorConfig(_Base):
     launch: Literal["zygote", "spawn"] = "zygote"
+    # "managed": the supervisor runs the cache daemon; "external": one runs beside it (a systemd unit,
+    # a Kubernetes DaemonSet) with its socket and ready file in run_dir
+    daemon: Literal["managed", "external"] = "managed"
     ready_timeout: Positive = 120.0  # per instance, from launch to /ready
     daemon_ready_timeout: Positive = 600.0  # loading a large checkpoint takes minutes
     stop_timeout: Positive = 10.0  # SIGTERM -> SIGKILL

@@ -1,0 +1,109 @@
+"""The node config: each bad input is refused before anything starts, with a message naming its key."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from failover.config import ConfigError, load_config, parse_size, preflight
+from supervisor_helpers import write_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def error_of(path: Path, *, machine: bool = False) -> str:
+    with pytest.raises(ConfigError) as info:
+        config = load_config(path)
+        if machine:
+            preflight(config)
+    return str(info.value)
+
+
+def test_example_cpu_config_parses_and_passes_preflight(tiny_model, run_dir):
+    path = write_config(run_dir / "node.toml", model=tiny_model, run_dir=run_dir / "run")
+    config = load_config(path)
+    preflight(config)
+    assert config.service[0].kind == "online"
+    assert len(config.service[0].ports) == 1 + config.service[0].standbys
+    assert config.token_path.parent == run_dir / "run"
+
+
+def test_shipped_examples_parse():
+    for name in ("cpu.toml", "gpu.toml"):
+        load_config(REPO / "deploy" / "examples" / name)
+
+
+def test_typo_key_is_named_with_a_suggestion(tiny_model, run_dir):
+    path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir, service_extra={"prot": 9000})
+    msg = error_of(path)
+    assert "service[0].prot: unknown key" in msg and "did you mean 'port'" in msg
+    assert "allowed keys here:" in msg
+
+
+def test_wrong_type_names_its_key_path(tiny_model, run_dir):
+    path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir, router={"probe_interval": "fast"})
+    assert "router.probe_interval: expected a number, got a string" in error_of(path)
+
+
+def test_bad_value_lists_allowed_values(tiny_model, run_dir):
+    path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir, service_extra={"kind": "bulk"})
+    msg = error_of(path)
+    assert "service[0].kind: 'bulk' is not allowed; allowed: 'online', 'batch'" in msg
+
+
+def test_missing_model_path(run_dir):
+    path = write_config(run_dir / "c.toml", model=run_dir / "nope", run_dir=run_dir)
+    msg = error_of(path, machine=True)
+    assert "model.path:" in msg and "does not exist" in msg and "failover tiny-model" in msg
+
+
+def test_tp_that_does_not_split_the_model(tiny_model, run_dir):
+    path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir, model_extra={"tp": 3})
+    msg = error_of(path, machine=True)
+    heads = json.loads((tiny_model / "config.json").read_text())["num_attention_heads"]
+    assert f"model.tp: 3 does not divide num_attention_heads = {heads}" in msg
+
+
+def test_port_in_use(tiny_model, run_dir):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir, router={"port": port})
+        assert f"router.port: port {port} is in use" in error_of(path, machine=True)
+
+
+def test_two_services_on_one_port(tiny_model, run_dir):
+    path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir, second_service=True, clash=True)
+    msg = error_of(path)
+    assert "service[1].port: port" in msg and "also used by service[0] (chat)" in msg
+
+
+def test_not_enough_ports_for_the_standbys(tiny_model, run_dir):
+    path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir,
+                        service_extra={"port": None, "port_range": [20001, 20001], "standbys": 2})
+    assert "service[0].port_range: [20001, 20001] holds 1 port(s)" in error_of(path)
+
+
+def test_all_problems_reported_at_once(tiny_model, run_dir):
+    path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir,
+                        service_extra={"kv_memory": "lots", "command": ["vllm", "{prot}"]})
+    msg = error_of(path)
+    assert "2 problems" in msg and "service[0].kv_memory" in msg and "unknown placeholder {prot}" in msg
+
+
+def test_not_toml_and_not_found(run_dir):
+    (run_dir / "bad.toml").write_text("run_dir = \n")
+    assert "not valid TOML" in error_of(run_dir / "bad.toml")
+    assert "file not found" in error_of(run_dir / "missing.toml")
+
+
+def test_sizes():
+    assert parse_size("256MiB") == 256 << 20
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size(4096) == 4096
+    with pytest.raises(ValueError):
+        parse_size("ten megs")
