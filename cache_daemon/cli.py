@@ -1,0 +1,80 @@
+"""``failover daemon`` / ``python -m cache_daemon``: parse options, validate the checkpoint, serve.
+
+The checkpoint is validated here, from its headers, before anything is spawned: a missing shard, a
+dtype or shape that contradicts config.json, or a tp size that does not divide the heads ends the
+command at once with exit status 2 and one line that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+import structlog
+
+from .errors import CacheError, CheckpointError
+from .layout import open_checkpoint, validate
+from .logs import configure_logging
+from .procutil import die_with_parent
+from .settings import DaemonSettings, default_run_dir
+from .transforms import TRANSFORM_VERSIONS
+
+log = structlog.get_logger(__name__)
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="failover daemon", description="Run the per-node weight cache daemon.")
+    p.add_argument("--model", required=True, type=Path, help="Hugging Face checkpoint directory")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: one arena per rank")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: config.json's torch_dtype")
+    p.add_argument("--transform", choices=sorted(TRANSFORM_VERSIONS), default="none")
+    p.add_argument("--run-dir", type=Path, default=default_run_dir(),
+                   help=f"0700 dir for daemon.sock and daemon.ready (default {default_run_dir()})")
+    p.add_argument("--force", action="store_true", help="take the socket over from a live daemon")
+    p.add_argument("--client-timeout", type=float, default=10.0,
+                   help="seconds a connected client may stay silent before it has attached")
+    p.add_argument("--allow-uid", type=int, action="append", default=[],
+                   help="also serve this uid (repeatable); the daemon's own uid is always served")
+    p.add_argument("--chunk-mib", type=int, default=0, help="CUDA: physical chunk size in MiB (0: one chunk)")
+    p.add_argument("--die-with-parent", action="store_true", help="exit (SIGTERM) when the parent process dies")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+def build_settings(a: argparse.Namespace) -> DaemonSettings:
+    """Validate the checkpoint for this tp size and resolve ``--dtype auto``."""
+    ckpt = open_checkpoint(a.model)
+    validate(ckpt, a.tp)
+    dtype = ckpt.dtype if a.dtype == "auto" else a.dtype
+    return DaemonSettings(model=ckpt.path, dtype=dtype, tp=a.tp, device=a.device, transform=a.transform,
+                          run_dir=a.run_dir.resolve(), force=a.force, client_timeout=a.client_timeout,
+                          allow_uids=frozenset(a.allow_uid), chunk_bytes=a.chunk_mib << 20,
+                          die_with_parent=a.die_with_parent, log_level=a.log_level)
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    configure_logging(a.log_level, process="cache-daemon")
+    try:
+        settings = build_settings(a)
+    except (CheckpointError, ValueError) as e:
+        print(f"failover daemon: {e}", file=sys.stderr)
+        return 2
+    if settings.die_with_parent:
+        die_with_parent(signal.SIGTERM)
+    from .server import Daemon
+
+    daemon = Daemon(settings)
+    try:
+        code = asyncio.run(daemon.run())
+    except CacheError as e:
+        print(f"failover daemon: {e}", file=sys.stderr)
+        return 1
+    if daemon.failure:
+        print(f"failover daemon: load failed: {daemon.failure}", file=sys.stderr)
+    return code

@@ -1,0 +1,146 @@
+"""Frames on a Unix stream socket: 4-byte big-endian length + body, optional fds via SCM_RIGHTS.
+
+Blocking helpers serve the client and the loader; the ``async_`` ones serve the daemon's event loop
+on non-blocking sockets. Fds ride with the frame's first bytes; a receiver that does not expect fds
+reads with no ancillary buffer, so any fds a peer pushes at it are closed by the kernel.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import os
+import socket
+import struct
+
+from . import protocol
+from .errors import ProtocolError
+
+HEADER = struct.Struct(">I")
+
+
+def encode_frame(msg) -> bytes:
+    body = protocol.encode(msg)
+    if len(body) > protocol.MAX_FRAME:
+        raise ProtocolError(f"message of {len(body)} bytes exceeds the {protocol.MAX_FRAME}-byte frame cap",
+                            "too_large")
+    return HEADER.pack(len(body)) + body
+
+
+def check_length(n: int, max_size: int) -> None:
+    if n == 0:
+        raise ProtocolError("empty frame", "bad_frame")
+    if n > max_size:
+        raise ProtocolError(f"frame of {n} bytes exceeds the {max_size}-byte cap", "too_large")
+
+
+def _take_fds(ancdata, flags: int, into: list[int]) -> None:
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds = array.array("i")
+            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+            into.extend(fds)
+    if flags & socket.MSG_CTRUNC:
+        close_fds(into)
+        raise ProtocolError("more fds arrived than expected", "bad_frame")
+
+
+def close_fds(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
+
+
+def _recv_some(sock: socket.socket, n: int, max_fds: int, fds: list[int]) -> bytes:
+    if not max_fds:
+        return sock.recv(n)
+    data, anc, flags, _ = sock.recvmsg(n, socket.CMSG_SPACE(max_fds * 4))
+    _take_fds(anc, flags, fds)
+    return data
+
+
+def _truncated(got: int, want: int) -> ProtocolError:
+    return ProtocolError(f"connection closed mid-frame ({got} of {want} bytes)" if got else
+                         "connection closed", "bad_frame" if got else "closed")
+
+
+# ---- blocking --------------------------------------------------------------------------------
+
+def _recv_exact(sock, n: int, max_fds: int, fds: list[int]) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = _recv_some(sock, n - len(buf), max_fds if not buf else 0, fds)
+        if not chunk:
+            raise _truncated(len(buf), n)
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket, *, max_fds: int = 0, max_size: int = protocol.MAX_FRAME):
+    """Read one frame: ``(message, fds)``. The caller owns the returned fds."""
+    fds: list[int] = []
+    try:
+        (n,) = HEADER.unpack(_recv_exact(sock, HEADER.size, max_fds, fds))
+        check_length(n, max_size)
+        return protocol.decode(_recv_exact(sock, n, 0, fds)), fds
+    except BaseException:
+        close_fds(fds)
+        raise
+
+
+def send_frame(sock: socket.socket, msg, fds=()) -> None:
+    """Write one frame; ``fds`` are duplicated into the peer (the caller still owns its copies)."""
+    data = encode_frame(msg)
+    if fds:
+        sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        data = data[sent:]
+    sock.sendall(data)
+
+
+# ---- asyncio (non-blocking sockets) ----------------------------------------------------------
+
+async def _wait(sock: socket.socket, writable: bool) -> None:
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    add, remove = (loop.add_writer, loop.remove_writer) if writable else (loop.add_reader, loop.remove_reader)
+    add(sock.fileno(), lambda: fut.done() or fut.set_result(None))
+    try:
+        await fut
+    finally:
+        remove(sock.fileno())
+
+
+async def _async_recv_exact(sock, n: int, max_fds: int, fds: list[int]) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        try:
+            chunk = _recv_some(sock, n - len(buf), max_fds if not buf else 0, fds)
+        except (BlockingIOError, InterruptedError):
+            await _wait(sock, writable=False)
+            continue
+        if not chunk:
+            raise _truncated(len(buf), n)
+        buf += chunk
+    return bytes(buf)
+
+
+async def async_recv_frame(sock: socket.socket, *, max_fds: int = 0, max_size: int = protocol.MAX_FRAME):
+    fds: list[int] = []
+    try:
+        (n,) = HEADER.unpack(await _async_recv_exact(sock, HEADER.size, max_fds, fds))
+        check_length(n, max_size)
+        return protocol.decode(await _async_recv_exact(sock, n, 0, fds)), fds
+    except BaseException:
+        close_fds(fds)
+        raise
+
+
+async def async_send_frame(sock: socket.socket, msg, fds=()) -> None:
+    view = memoryview(encode_frame(msg))
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    while view:
+        try:
+            sent = sock.sendmsg([view], anc) if anc else sock.send(view)
+        except (BlockingIOError, InterruptedError):
+            await _wait(sock, writable=True)
+            continue
+        view, anc = view[sent:], []

@@ -1,0 +1,90 @@
+"""The manifest: where every tensor of one rank lives inside its arena(s), and how to view it.
+
+An arena is one memory object (a memfd, or a CUDA VMM range made of one or more chunks, each its own
+fd). Tensors are views at 256-byte aligned offsets, so mapping a rank costs one import per chunk,
+not one per tensor. Metadata a transform needs (block size, scale names) travels in ``attrs``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+ALIGN = 256
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
+            "float8_e5m2": 1, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+class TensorEntry(msgspec.Struct, frozen=True):
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    arena: int  # index into Manifest.arenas
+    offset: int  # bytes from the arena's start, a multiple of ALIGN
+    nbytes: int
+    attrs: dict[str, Any] = {}
+
+
+class ArenaSpec(msgspec.Struct, frozen=True):
+    kind: str  # "cpu" (memfd) | "cuda" (VMM)
+    device_index: int  # CUDA ordinal the memory lives on; 0 for cpu
+    size: int  # bytes, the sum of chunks
+    chunks: tuple[int, ...]  # size of each physical chunk, one fd each, in order
+
+
+class Manifest(msgspec.Struct, frozen=True):
+    tensors: tuple[TensorEntry, ...]
+    aliases: dict[str, str]  # alias name -> tensor name (tied weights: same bytes)
+    arenas: tuple[ArenaSpec, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size for a in self.arenas)
+
+    @property
+    def nfds(self) -> int:
+        return sum(len(a.chunks) for a in self.arenas)
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
+def align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def plan(specs, *, arena: int = 0) -> tuple[list[TensorEntry], int]:
+    """Pack ``specs`` (objects with name, dtype, shape, attrs) back to back, each ALIGN-aligned.
+
+    Returns the entries and the bytes the arena needs (at least 1).
+    """
+    entries, offset = [], 0
+    for s in specs:
+        count = 1
+        for n in s.shape:
+            count *= n
+        nbytes = count * ITEMSIZE[s.dtype]
+        entries.append(TensorEntry(s.name, s.dtype, tuple(s.shape), contiguous_stride(tuple(s.shape)),
+                                   arena, offset, nbytes, dict(s.attrs)))
+        offset = align(offset + nbytes)
+    return entries, max(offset, 1)
+
+
+def views(manifest: Manifest, arenas: list) -> dict:
+    """name -> tensor for every entry and alias, given one flat uint8 tensor per arena (no copy)."""
+    import torch
+
+    out = {}
+    for e in manifest.tensors:
+        flat = arenas[e.arena][e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype))
+        out[e.name] = flat.as_strided(e.shape, e.stride)
+    for alias, target in manifest.aliases.items():
+        out[alias] = out[target]
+    return out

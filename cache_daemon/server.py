@@ -1,0 +1,278 @@
+"""The cache daemon: an asyncio server on a Unix socket that holds arenas and hands out their fds.
+
+It never imports torch or touches CUDA: a loader child does the heavy work and sends the arenas here
+(``loader.py``). Each client connection says Hello, then asks Query/Fetch/Status/Ping/Evict; one
+dispatch answers each and refuses anything else. A connection that stays silent longer than
+``client_timeout`` before it has fetched is closed; one that holds a mapping may stay idle forever.
+A bad frame ends only its own connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass, field
+
+import structlog
+
+from . import framing, runfiles
+from .errors import FingerprintMismatch, NotResident, ProtocolError
+from .peers import peer_allowed, peer_credentials
+from .protocol import (MAX_FDS, PROTOCOL_VERSION, Error, Evict, Evicted, Fetch, FetchReply, Hello,
+                       LoadFailed, Ping, Pong, Query, QueryReply, Register, Registered, Status,
+                       StatusReply, Welcome)
+from .residents import Registry, Resident
+from .settings import DaemonSettings
+
+log = structlog.get_logger(__name__)
+STOP_TIMEOUT_S = 5.0
+RESYNCABLE = ("unknown_type", "malformed")  # the whole frame was read: the stream is still in step
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    pid: int
+    uid: int
+    attached: list[Resident] = field(default_factory=list)
+
+
+class Daemon:
+    def __init__(self, settings: DaemonSettings) -> None:
+        self.s = settings
+        self.registry = Registry()
+        self.conns: set[_Conn] = set()
+        self.loading = True
+        self.exit_code = 0
+        self.failure: str | None = None  # why the load failed, for the CLI's one-line error
+        self._tasks: set[asyncio.Task] = set()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Serve until SIGTERM/SIGINT or a failed load; returns the process exit code."""
+        loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop, f"signal {signal.Signals(sig).name}")
+        runfiles.prepare_run_dir(self.s.run_dir)
+        runfiles.claim(self.s.socket_path, self.s.ready_path, force=self.s.force)
+        self._listener = runfiles.bind(self.s.socket_path)
+        log.info("daemon_listening", socket=str(self.s.socket_path), pid=os.getpid(), model=str(self.s.model),
+                 tp=self.s.tp, device=self.s.device, transform=self.s.transform)
+        accept = asyncio.create_task(self._accept_loop(), name="accept")
+        load = asyncio.create_task(self._load(), name="load")
+        await self._stop.wait()
+        await self._shutdown(accept, load)
+        return self.exit_code
+
+    def stop(self, reason: str, exit_code: int = 0) -> None:
+        log.info("daemon_stopping", reason=reason)
+        self.exit_code = self.exit_code or exit_code
+        self._stop.set()
+
+    async def _shutdown(self, accept: asyncio.Task, load: asyncio.Task) -> None:
+        # 1. No new clients: stop accepting and remove the socket and ready file first, so a client
+        #    starting now sees "no daemon" rather than a half-dead one.
+        accept.cancel()
+        self._listener.close()
+        runfiles.remove(self.s.socket_path, self.s.ready_path)
+        # 2. Stop the loader if it is still at work (its finally terminates, then kills, the child).
+        load.cancel()
+        await asyncio.wait([accept, load], timeout=STOP_TIMEOUT_S + 2)
+        # 3. Close every client connection; their mappings stay valid without us.
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=STOP_TIMEOUT_S)
+        # 4. Drop our fds: memory is freed once no client maps it any more.
+        self.registry.close()
+        log.info("daemon_stopped", exit_code=self.exit_code)
+
+    # ---- the loader child --------------------------------------------------------------------
+
+    def _loader_cmd(self, channel_fd: int) -> list[str]:
+        s = self.s
+        return [sys.executable, "-m", "cache_daemon.loader", "--model", str(s.model), "--dtype", s.dtype,
+                "--tp", str(s.tp), "--device", s.device, "--transform", s.transform,
+                "--chunk-bytes", str(s.chunk_bytes), "--channel-fd", str(channel_fd),
+                "--parent-pid", str(os.getpid()), "--log-level", s.log_level]
+
+    async def _load(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        proc = None
+        try:
+            proc = await asyncio.create_subprocess_exec(*self._loader_cmd(theirs.fileno()),
+                                                        pass_fds=(theirs.fileno(),), stdin=asyncio.subprocess.DEVNULL)
+            theirs.close()
+            ours.setblocking(False)
+            log.info("loader_started", pid=proc.pid)
+            failure = await self._receive_ranks(ours)
+            rc = await proc.wait()
+            if failure is None and rc != 0:
+                failure = f"loader exited with status {rc} after registering every rank"
+        finally:
+            theirs.close()
+            ours.close()
+            if proc is not None and proc.returncode is None:
+                await _end(proc)
+        if failure is not None:
+            log.error("load_failed", message=failure)
+            self.failure = failure
+            self.stop("load failed", exit_code=1)
+            return
+        self.loading = False
+        runfiles.write_ready(self.s.ready_path, socket_path=self.s.socket_path,
+                             fingerprints=self.registry.fingerprints())
+        log.info("daemon_ready", ranks=len(self.registry), bytes=sum(m.nbytes for m in self.registry.status()))
+
+    async def _receive_ranks(self, chan: socket.socket) -> str | None:
+        """Take each rank's registration; None when every rank arrived, else why not."""
+        while len(self.registry) < self.s.tp:
+            try:
+                msg, fds = await framing.async_recv_frame(chan, max_fds=MAX_FDS)
+            except ProtocolError as e:
+                return f"loader channel broke: {e} (see the loader's log above)"
+            if isinstance(msg, LoadFailed):
+                return f"{msg.code}: {msg.message}"
+            if not isinstance(msg, Register) or len(fds) != msg.nfds or msg.nfds != msg.manifest.nfds:
+                framing.close_fds(fds)
+                return f"loader sent {type(msg).__name__} with {len(fds)} fds: a loader bug"
+            self.registry.add(msg.config, msg.manifest, fds)
+            log.info("rank_registered", rank=msg.config.tp_rank, key=msg.config.key, bytes=msg.manifest.nbytes,
+                     fds=len(fds))
+            await framing.async_send_frame(chan, Registered())
+        return None
+
+    # ---- clients -----------------------------------------------------------------------------
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, _ = await loop.sock_accept(self._listener)
+            sock.setblocking(False)
+            task = asyncio.create_task(self._serve(sock))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        pid, uid, _ = peer_credentials(sock)
+        conn = _Conn(sock, pid, uid)
+        self.conns.add(conn)
+        log.debug("client_connected", peer_pid=pid, peer_uid=uid)
+        try:
+            if not peer_allowed(uid, daemon_uid=os.getuid(), allow_uids=self.s.allow_uids):
+                log.warning("client_refused", peer_pid=pid, peer_uid=uid)
+                return await self._reply(conn, Error("forbidden", f"uid {uid} may not use this daemon "
+                                                     "(run as the daemon's user or add --allow-uid)"))
+            if await self._handshake(conn):
+                while await self._serve_one(conn):
+                    pass
+        except asyncio.TimeoutError:
+            log.info("client_timed_out", peer_pid=pid, timeout_s=self.s.client_timeout)
+            await self._reply(conn, Error("timeout", f"no request within {self.s.client_timeout} s"))
+        except ProtocolError as e:
+            if e.code != "closed":
+                log.info("client_protocol_error", peer_pid=pid, code=e.code, error=str(e))
+                await self._reply(conn, Error(e.code, str(e)))
+        except OSError as e:  # reset by peer and the like: the client's problem alone
+            log.info("client_io_error", peer_pid=pid, error=str(e))
+        finally:
+            for r in conn.attached:
+                r.attached -= 1
+            self.conns.discard(conn)
+            sock.close()
+            log.debug("client_closed", peer_pid=pid)
+
+    async def _handshake(self, conn: _Conn) -> bool:
+        msg = await self._read(conn)
+        if not isinstance(msg, Hello):
+            await self._reply(conn, Error("unexpected", f"first message must be hello, not {type(msg).__name__}"))
+            return False
+        if msg.version != PROTOCOL_VERSION:
+            await self._reply(conn, Error("bad_version", f"daemon speaks protocol {PROTOCOL_VERSION}, client "
+                                          f"{msg.version}: use a client from the same failover release"))
+            return False
+        await self._reply(conn, Welcome(PROTOCOL_VERSION, os.getpid()))
+        return True
+
+    async def _serve_one(self, conn: _Conn) -> bool:
+        try:
+            msg = await self._read(conn)
+        except ProtocolError as e:
+            if e.code not in RESYNCABLE:
+                raise
+            log.info("client_bad_message", peer_pid=conn.pid, code=e.code, error=str(e))
+            await self._reply(conn, Error(e.code, str(e)))
+            return True
+        reply, fds = self._dispatch(conn, msg)
+        fds = [os.dup(fd) for fd in fds]  # our own copies: an Evict may close the registry's meanwhile
+        try:
+            await self._reply(conn, reply, fds)
+        finally:
+            framing.close_fds(fds)
+        return True
+
+    async def _read(self, conn: _Conn):
+        timeout = None if conn.attached else self.s.client_timeout
+        msg, _ = await asyncio.wait_for(framing.async_recv_frame(conn.sock), timeout)
+        return msg
+
+    async def _reply(self, conn: _Conn, msg, fds=()) -> None:
+        try:
+            await asyncio.wait_for(framing.async_send_frame(conn.sock, msg, fds), self.s.client_timeout)
+        except (OSError, asyncio.TimeoutError) as e:
+            log.info("client_reply_failed", peer_pid=conn.pid, error=str(e) or type(e).__name__)
+
+    def _dispatch(self, conn: _Conn, msg):
+        """The one place requests are answered; anything not listed is refused."""
+        try:
+            if isinstance(msg, Ping):
+                return Pong(msg.nonce), ()
+            if isinstance(msg, Status):
+                return self._status(), ()
+            if isinstance(msg, Query):
+                r = self.registry.find(msg.config)
+                return QueryReply(r.manifest.nbytes, r.attached), ()
+            if isinstance(msg, Fetch):
+                r = self.registry.find(msg.config)
+                r.attached += 1
+                conn.attached.append(r)
+                log.info("client_attached", peer_pid=conn.pid, key=r.config.key, rank=r.config.tp_rank)
+                return FetchReply(r.manifest, len(r.fds)), r.fds
+            if isinstance(msg, Evict):
+                return self._evict(msg), ()
+        except NotResident as e:
+            more = " (still loading: wait for the ready file)" if self.loading else ""
+            return Error("not_resident", str(e) + more), ()
+        except FingerprintMismatch as e:
+            return Error("mismatch", str(e).split("\n")[0], e.diff), ()
+        return Error("unexpected", f"{type(msg).__name__} is not a request a client may send"), ()
+
+    def _evict(self, msg: Evict) -> Evicted:
+        nbytes = self.registry.evict(msg.config)
+        log.info("evicted", key=msg.config.key, bytes=nbytes)
+        if len(self.registry) == 0:
+            runfiles.remove(self.s.ready_path)
+        elif not self.loading:
+            runfiles.write_ready(self.s.ready_path, socket_path=self.s.socket_path,
+                                 fingerprints=self.registry.fingerprints())
+        return Evicted(nbytes)
+
+    def _status(self) -> StatusReply:
+        return StatusReply(pid=os.getpid(), version=PROTOCOL_VERSION, loading=self.loading,
+                           models=self.registry.status(), clients=len(self.conns),
+                           attached=sum(1 for c in self.conns if c.attached))
+
+
+async def _end(proc: asyncio.subprocess.Process) -> None:
+    """SIGTERM, then SIGKILL after STOP_TIMEOUT_S."""
+    proc.terminate()
+    try:
+        await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()

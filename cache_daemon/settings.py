@@ -1,0 +1,48 @@
+"""The daemon's configuration: one frozen dataclass, built and checked by ``cli.py``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SOCKET_NAME = "daemon.sock"
+READY_NAME = "daemon.ready"
+
+
+def default_run_dir() -> Path:
+    return Path(f"/tmp/failover-{os.getuid()}")
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonSettings:
+    model: Path
+    dtype: str  # resolved (never "auto")
+    tp: int = 1
+    device: str = "cpu"  # "cpu" | "cuda"
+    transform: str = "none"
+    run_dir: Path = field(default_factory=default_run_dir)
+    force: bool = False
+    client_timeout: float = 10.0  # seconds a client may stay silent before it has attached
+    allow_uids: frozenset[int] = frozenset()  # peers allowed besides the daemon's own uid
+    chunk_bytes: int = 0  # CUDA: split an arena into chunks of at most this many bytes (0: one)
+    die_with_parent: bool = False
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"--tp must be at least 1, not {self.tp}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, not {self.device!r}")
+        if self.client_timeout <= 0:
+            raise ValueError("--client-timeout must be positive")
+        if len(str(self.socket_path)) > 107:
+            raise ValueError(f"socket path {self.socket_path} is too long for AF_UNIX: use a shorter --run-dir")
+
+    @property
+    def socket_path(self) -> Path:
+        return self.run_dir / SOCKET_NAME
+
+    @property
+    def ready_path(self) -> Path:
+        return self.run_dir / READY_NAME
