@@ -1,0 +1,148 @@
+"""The bridge between the aiohttp event loop and the engine thread.
+
+The step loop runs in its own thread (the model's matmuls release the GIL) so the event loop keeps
+answering /health, /metrics and new connections during a long step. Requests go in through a
+thread-safe inbox; each step's outputs come back to per-request asyncio queues via
+``call_soon_threadsafe``. A request whose consumer went away (client disconnect, cancellation) is
+aborted, which frees its KV slot at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+
+import structlog
+
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.model_runner import StepPlan
+from engine.scheduler import Sequence
+
+log = structlog.get_logger(__name__)
+
+
+class EngineDead(RuntimeError):
+    """The engine thread failed; every in-flight request gets this, and the process exits."""
+
+
+class AsyncEngine:
+    """``build`` runs first on the engine thread (load weights, allocate KV, warm up), so every
+    torch call of this rank, collectives included, happens on that one thread."""
+
+    def __init__(self, build: Callable[[], LLMEngine], on_step: Callable[[int, int], None] | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        self._build = build
+        self.engine: LLMEngine | None = None
+        self._ready: asyncio.Future | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}  # touched on the event loop only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._on_step, self._on_fatal = on_step, on_fatal
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+        self._thread.start()
+
+    async def wait_ready(self) -> LLMEngine:
+        """The built engine; raises what ``build`` raised."""
+        return await self._ready
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the step loop (and, for tp > 1, the worker ranks). In-flight requests are dropped."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    async def generate(self, seq: Sequence) -> AsyncIterator[RequestOutput]:
+        if self.error is not None:
+            raise EngineDead(str(self.error))
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[seq.id] = stream
+        self._inbox.put(("add", seq))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                if isinstance(out, BaseException):
+                    raise EngineDead(str(out))
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(seq.id, None)
+            if not finished:
+                self._inbox.put(("abort", seq.id))
+                self._wake.set()
+
+    # --- engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.engine = self._build()
+        except BaseException as e:  # noqa: BLE001 - handed to the event loop, which reports and exits
+            self._loop.call_soon_threadsafe(_settle, self._ready, None, e)
+            return
+        self._loop.call_soon_threadsafe(_settle, self._ready, self.engine, None)
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not self.engine.has_work():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self._loop.call_soon_threadsafe(self._deliver, outputs)
+                if self._on_step is not None:
+                    s = self.engine.scheduler
+                    self._on_step(len(s.running), len(s.waiting))
+        except BaseException as e:  # noqa: BLE001 - any failure ends the engine; report, then exit
+            log.exception("engine_step_failed")
+            self.error = e
+            self._loop.call_soon_threadsafe(self._fail_all, e)
+            return
+        self.engine.runner.run(StepPlan("stop"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                op, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if op == "add":
+                self.engine.add(arg)
+            else:
+                self.engine.abort(arg)
+
+    # --- event loop ----------------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.seq_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(error)
+        if self._on_fatal is not None:
+            self._on_fatal(error)
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,117 @@
+"""``failover engine``: serve one model over the OpenAI API, weights mapped from the daemon or read
+from disk.
+
+Safe to call in a freshly forked child of a process that imported ``engine`` and torch (the
+zygote): threads, the event loop and CUDA are all created here, after the fork.
+Exit codes: 0 after a clean drain, 1 on a runtime failure (weights, bind, engine), 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import signal
+import sys
+from pathlib import Path
+
+import structlog
+
+from cache_daemon.logs import configure_logging
+from engine.config import DTYPES, TRANSFORMS, WEIGHT_SOURCES, ConfigError, EngineConfig, ModelConfig
+
+log = structlog.get_logger(__name__)
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """``1073741824``, ``512M``, ``1G``, ``1.5GiB`` -> bytes (binary multiples)."""
+    m = SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 268435456, 256M, 2G)")
+    return int(float(m[1]) * 1024 ** " kmgt".index(m[2].lower() or " "))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="failover engine", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, type=Path, help="Hugging Face model directory")
+    p.add_argument("--weights", choices=WEIGHT_SOURCES, default="auto",
+                   help="cache: map from the daemon or fail; disk: read safetensors; auto: cache when "
+                        "the daemon socket exists, else disk")
+    p.add_argument("--socket", type=Path, default=None, help="the cache daemon's socket (RUN_DIR/daemon.sock)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (ranks 1.. run as child processes)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                   help="compute dtype; auto: the checkpoint's torch_dtype (must match the daemon's)")
+    p.add_argument("--transform", choices=TRANSFORMS, default="none", help="weight transform (fp8-block)")
+    p.add_argument("--kv-memory", type=parse_bytes, default=256 << 20,
+                   help="KV cache budget per rank in bytes (suffixes K, M, G)")
+    p.add_argument("--max-batch", type=int, default=16, help="most sequences decoded together")
+    p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + completion tokens")
+    p.add_argument("--served-model-name", default="", help="the model id clients send (default: dir name)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds to finish in-flight requests after SIGTERM")
+    p.add_argument("--max-body-bytes", type=parse_bytes, default=4 << 20, help="request body size cap")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--dist-init", default="", help=argparse.SUPPRESS)
+    return p
+
+
+def resolve_dtype(model: Path, dtype: str) -> str:
+    if dtype != "auto":
+        return dtype
+    try:
+        raw = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    found = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    return found if found in DTYPES else "float32"
+
+
+def make_config(args: argparse.Namespace) -> EngineConfig:
+    from engine.distributed import free_port
+
+    dist_init = args.dist_init or (f"tcp://127.0.0.1:{free_port()}" if args.tp > 1 else "")
+    return EngineConfig(
+        model=args.model, weights=args.weights, socket=args.socket, host=args.host, port=args.port,
+        tp=args.tp, tp_rank=args.tp_rank, dist_init=dist_init, device=args.device,
+        dtype=resolve_dtype(args.model, args.dtype), transform=args.transform, kv_memory=args.kv_memory,
+        max_batch=args.max_batch, max_model_len=args.max_model_len, served_model_name=args.served_model_name,
+        drain_timeout=args.drain_timeout, max_body_bytes=args.max_body_bytes,
+    )
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = make_config(args)
+        model_cfg = ModelConfig.from_dir(cfg.model)
+        if model_cfg.num_heads % cfg.tp or model_cfg.num_kv_heads % cfg.tp or model_cfg.intermediate_size % cfg.tp:
+            raise ConfigError(f"--tp {cfg.tp} must divide num_attention_heads ({model_cfg.num_heads}), "
+                              f"num_key_value_heads ({model_cfg.num_kv_heads}) and intermediate_size "
+                              f"({model_cfg.intermediate_size})")
+    except ConfigError as e:
+        print(f"failover engine: {e}", file=sys.stderr)
+        return 2
+    process = "engine" if cfg.tp_rank == 0 else f"engine-rank{cfg.tp_rank}"
+    configure_logging(args.log_level, process=process)
+    if cfg.tp_rank > 0:
+        from engine.worker import run_worker
+
+        return run_worker(cfg, model_cfg)
+    from engine.serve import serve
+
+    worker_argv = [a for a in argv]  # ranks > 0 get the same options plus their rank
+    try:
+        return asyncio.run(serve(cfg, model_cfg, worker_argv))
+    except KeyboardInterrupt:
+        return 1
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,129 @@
+"""The decoder of the Llama / Qwen2 / Qwen3 / Mistral family, tensor-parallel, in Hugging Face names.
+
+The module tree mirrors the checkpoint's names (``model.layers.{i}.self_attn.q_proj.weight``, ...)
+so a rank's weights dict (from disk or mapped from the daemon) is assigned as is: the model is built
+on the meta device and ``load_state_dict(assign=True)`` makes each parameter the very tensor of the
+dict (no copy). Those tensors may be read-only mappings shared with other engines: the model never
+writes to them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.kv_cache import AttentionBatch, KVCache
+from engine.layers import Linear, RMSNorm, Rotary, RowParallelLinear, apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: int, fp8: bool) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim
+        d, q, kv = cfg.hidden_size, self.heads * cfg.head_dim, self.kv_heads * cfg.head_dim
+        self.q_proj = Linear(d, q, cfg.qkv_bias, fp8)
+        self.k_proj = Linear(d, kv, cfg.qkv_bias, fp8)
+        self.v_proj = Linear(d, kv, cfg.qkv_bias, fp8)
+        self.o_proj = RowParallelLinear(q, d, cfg.o_bias, fp8, tp)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x, cos, sin, layer: int, kv: KVCache, batch: AttentionBatch) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # [B, T, H, D] -> [B, H, T, D] for attention
+        o = kv.attend(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), batch)
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: int, fp8: bool) -> None:
+        super().__init__()
+        d, i = cfg.hidden_size, cfg.intermediate_size // tp
+        self.gate_proj = Linear(d, i, False, fp8)
+        self.up_proj = Linear(d, i, False, fp8)
+        self.down_proj = RowParallelLinear(i, d, False, fp8, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: int, fp8: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, tp, fp8)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, tp, fp8)
+
+    def forward(self, x, cos, sin, layer, kv, batch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kv, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Embedding(nn.Module):
+    # not nn.Embedding: its random init costs ~1.5 s even on the meta device
+    def __init__(self, num: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num, dim), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: int, fp8: bool) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, fp8) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """``forward`` gives the last hidden states; ``logits`` the float32 logits of chosen rows."""
+
+    def __init__(self, cfg: ModelConfig, tp: int = 1, fp8: bool = False) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Decoder(cfg, tp, fp8)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, fp8=False)
+        self.rotary: Rotary | None = None
+
+    @classmethod
+    def from_weights(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, tp: int, fp8: bool,
+                     max_len: int, device) -> CausalLM:
+        """Build on the meta device, then make every parameter the tensor of ``weights`` (no copy)."""
+        with torch.device("meta"):
+            model = cls(cfg, tp, fp8)
+        model.requires_grad_(False)
+        weights = dict(weights)
+        if "lm_head.weight" not in weights and cfg.tie_word_embeddings:
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        expected = set(model.state_dict())
+        missing, unexpected = expected - set(weights), set(weights) - expected
+        if missing or unexpected:
+            raise ValueError(f"weights do not match the {cfg.arch} config: missing {sorted(missing)[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]}")
+        model.load_state_dict(weights, strict=True, assign=True)
+        model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_len, device)
+        return model.eval()
+
+    def forward(self, tokens: torch.Tensor, kv: KVCache, batch: AttentionBatch) -> torch.Tensor:
+        # tokens [B, T] -> hidden [B, T, hidden]
+        x = self.model.embed_tokens(tokens)
+        cos, sin = self.rotary(batch.positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, i, kv, batch)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,193 @@
+"""The OpenAI-compatible HTTP server (aiohttp) in front of the engine thread.
+
+Lifecycle: the port opens first (``/health`` 200, ``/ready`` 503 "starting"), the engine thread
+loads or maps the weights, allocates the KV cache and warms up, then ``/ready`` turns 200. On
+SIGTERM the server drains (see ``EngineServer.drain``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+import structlog
+from aiohttp import web
+
+from engine.async_engine import AsyncEngine, EngineDead
+from engine.config import EngineConfig
+from engine.metrics import EngineMetrics
+from engine.protocol import ApiError, GenerateRequest, ServingContext, choice, envelope, parse_request, usage
+from engine.sampling import request_seed
+from engine.scheduler import Sequence
+
+log = structlog.get_logger(__name__)
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler):
+    """Every error leaves as ``{"error": {"message", "type", "param", "code"}}``."""
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return web.json_response(e.body(), status=e.status)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        err = ApiError(e.status, e.reason or "error", type=kind, code=str(e.status))
+        return web.json_response(err.body(), status=e.status)
+
+
+class EngineServer:
+    def __init__(self, cfg: EngineConfig, engine: AsyncEngine, metrics: EngineMetrics) -> None:
+        self.cfg, self.engine, self.metrics = cfg, engine, metrics
+        self.ctx: ServingContext | None = None  # set once the engine is built
+        self.state = "starting"  # starting -> ready -> draining
+        self.info: dict = {}
+        self.app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[openai_errors])
+        self.app.add_routes([
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/ready", self.ready),
+            web.get("/metrics", self.metrics_page),
+        ])
+
+    def set_ready(self, ctx: ServingContext, info: dict) -> None:
+        self.ctx, self.info, self.state = ctx, info, "ready"
+        self.metrics.ready.labels(self.metrics.model).set(1)
+        log.info("engine_ready", **info)
+
+    async def drain(self, timeout: float) -> int:
+        """Stop admitting (``/ready`` 503), then wait up to ``timeout`` s for in-flight requests.
+        Returns how many were still running (they are dropped when the process stops)."""
+        self.state = "draining"
+        self.metrics.ready.labels(self.metrics.model).set(0)
+        log.info("drain_started", in_flight=self.engine.in_flight, timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while self.engine.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.engine.in_flight
+        log.info("drain_finished", abandoned=left)
+        return left
+
+    # --- probes ---------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        if self.engine.error is not None:
+            return web.json_response({"status": "failed", "error": str(self.engine.error)}, status=503)
+        return web.json_response({"status": "ok", "state": self.state})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        if self.state != "ready" or self.engine.error is not None:
+            return web.json_response({"ready": False, "state": self.state}, status=503)
+        return web.json_response({"ready": True, **self.info})
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "failover",
+                "max_model_len": self.ctx.max_len if self.ctx else None}
+        return web.json_response({"object": "list", "data": [card]})
+
+    # --- generation -----------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        if self.state != "ready" or self.engine.error is not None:
+            state = "failed" if self.engine.error is not None else self.state
+            raise ApiError(503, f"the engine is {state}; retry on another instance",
+                           type="service_unavailable", code="not_ready")
+        req = parse_request(await _read_json(request, self.cfg.max_body_bytes), self.ctx, chat=chat)
+        seq = Sequence(req.id, req.prompt_ids, req.params, request_seed(req.params), list(req.resume_ids))
+        self.metrics.prompt_tokens.labels(self.metrics.model).inc(len(req.prompt_ids))
+        try:
+            if req.stream:
+                return await self._stream(request, req, seq)
+            return await self._complete(req, seq)
+        except EngineDead as e:
+            self.metrics.outcome("error")
+            raise ApiError(500, f"the engine failed: {e}", type="server_error") from e
+
+    async def _outputs(self, req: GenerateRequest, seq: Sequence):
+        """The engine's outputs for ``seq``, with latency metrics; nothing if the resumed tokens
+        already used up ``max_tokens``."""
+        if len(seq.resume_ids) >= req.params.max_tokens:
+            return
+        start = last = time.monotonic()
+        first = True
+        async with contextlib.aclosing(self.engine.generate(seq)) as outputs:
+            async for out in outputs:
+                now = time.monotonic()
+                (self.metrics.ttft if first else self.metrics.itl).labels(self.metrics.model).observe(
+                    now - (start if first else last))
+                self.metrics.generation_tokens.labels(self.metrics.model).inc(out.new_tokens)
+                first, last = False, now
+                yield out
+
+    async def _complete(self, req: GenerateRequest, seq: Sequence) -> web.Response:
+        text, ids, reason, completion = [], [], "length", len(seq.resume_ids)
+        async with contextlib.aclosing(self._outputs(req, seq)) as outputs:
+            async for out in outputs:
+                text.append(out.text)
+                ids += out.token_ids
+                reason, completion = out.finish_reason or reason, out.completion_tokens
+        self.metrics.outcome(reason)
+        body = envelope(req, self.cfg.model_name, [choice(req, "".join(text), ids, reason, chunk=False)],
+                        chunk=False, usage_=usage(len(req.prompt_ids), completion))
+        return web.json_response(body)
+
+    async def _stream(self, request: web.Request, req: GenerateRequest, seq: Sequence) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        model, completion, reason = self.cfg.model_name, len(seq.resume_ids), None
+
+        async def send(body: dict) -> None:
+            await resp.write(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
+
+        def chunk(text, ids, finish, first=False) -> dict:
+            return envelope(req, model, [choice(req, text, ids, finish, chunk=True, first=first)],
+                            chunk=True, usage_=None)
+
+        try:
+            if req.chat:
+                await send(chunk("", [], None, first=True))
+            async with contextlib.aclosing(self._outputs(req, seq)) as outputs:
+                async for out in outputs:
+                    completion, reason = out.completion_tokens, out.finish_reason
+                    if out.text or out.token_ids or out.finished:
+                        await send(chunk(out.text, out.token_ids, out.finish_reason))
+            if reason is None:  # resumed tokens had already used up max_tokens
+                reason = "length"
+                await send(chunk("", [], reason))
+            if req.include_usage:
+                await send(envelope(req, model, [], chunk=True, usage_=usage(len(req.prompt_ids), completion)))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            # the client went away: closing the generator above aborted the sequence
+            self.metrics.outcome("disconnect")
+            log.info("client_disconnected", request=req.id)
+            raise
+        self.metrics.outcome(reason)
+        return resp
+
+
+async def _read_json(request: web.Request, limit: int):
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise ApiError(413, f"the request body is over {limit} bytes",
+                       code="body_too_large") from e
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from e
