@@ -10,6 +10,7 @@ aborted, which frees its KV slot at the next step.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -48,7 +49,9 @@ class AsyncEngine:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
-        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+        # carry the caller's structlog context (process name) into the engine thread's log lines
+        ctx = contextvars.copy_context()
+        self._thread = threading.Thread(target=ctx.run, args=(self._run,), name="engine-step", daemon=True)
         self._thread.start()
 
     async def wait_ready(self) -> LLMEngine:

@@ -68,7 +68,7 @@ def resolve_dtype(model: Path, dtype: str) -> str:
         raw = json.loads((model / "config.json").read_text())
     except (OSError, ValueError):
         return "float32"
-    found = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    found = raw.get("torch_dtype") or "float32"  # the daemon resolves auto the same way
     return found if found in DTYPES else "float32"
 
 

@@ -82,18 +82,18 @@ def _from_disk(cfg: EngineConfig) -> dict[str, torch.Tensor]:
 
 def _attach(cfg: EngineConfig):
     from cache_daemon import client, fingerprint
-    from cache_daemon.errors import CacheError
+    from cache_daemon.errors import CacheError, DaemonUnavailable, FingerprintMismatch
 
     config = fingerprint.make_config(Path(cfg.model), dtype=cfg.dtype, tp_size=cfg.tp, tp_rank=cfg.tp_rank,
                                      transform=cfg.transform, device=cfg.device)
     try:
         return client.attach(str(cfg.socket), config)
-    except client.DaemonUnavailable as e:
+    except DaemonUnavailable as e:
         if cfg.weights == "auto":
             raise _FallBack(str(e)) from e
         raise WeightsError(f"no cache daemon at {cfg.socket}: {e}; start one with `failover daemon` "
                            f"or use --weights disk") from e
-    except client.FingerprintMismatch as e:
+    except FingerprintMismatch as e:
         raise WeightsError("the daemon holds a different build of this model: " + "; ".join(e.diff)
                            + "; restart the daemon for this model/options or use --weights disk") from e
     except CacheError as e:
