@@ -61,8 +61,8 @@ def claim(socket_path: Path, ready_path: Path, *, force: bool) -> None:
         ready_path.unlink()
 
 
-def bind(socket_path: Path) -> socket.socket:
-    """A listening, non-blocking socket that is 0600 from the moment it exists."""
+def bind(socket_path: Path) -> tuple[socket.socket, int]:
+    """A listening, non-blocking socket that is 0600 from the moment it exists, and its inode."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
     try:
@@ -72,7 +72,7 @@ def bind(socket_path: Path) -> socket.socket:
     os.chmod(socket_path, 0o600)
     sock.listen(128)
     sock.setblocking(False)
-    return sock
+    return sock, socket_path.stat().st_ino
 
 
 def write_ready(ready_path: Path, *, socket_path: Path, fingerprints: list[dict]) -> None:
@@ -91,3 +91,14 @@ def remove(*paths: Path) -> None:
             p.unlink()
         except FileNotFoundError:
             pass
+
+
+def remove_ours(socket_path: Path, socket_inode: int, ready_path: Path) -> None:
+    """Remove the socket and ready file at exit unless a daemon started with --force replaced them."""
+    try:
+        if socket_path.stat().st_ino != socket_inode:
+            log.info("socket_taken_over_not_removed", socket=str(socket_path))
+            return
+    except FileNotFoundError:
+        pass
+    remove(socket_path, ready_path)

@@ -60,7 +60,7 @@ class Daemon:
             loop.add_signal_handler(sig, self.stop, f"signal {signal.Signals(sig).name}")
         runfiles.prepare_run_dir(self.s.run_dir)
         runfiles.claim(self.s.socket_path, self.s.ready_path, force=self.s.force)
-        self._listener = runfiles.bind(self.s.socket_path)
+        self._listener, self._inode = runfiles.bind(self.s.socket_path)
         log.info("daemon_listening", socket=str(self.s.socket_path), pid=os.getpid(), model=str(self.s.model),
                  tp=self.s.tp, device=self.s.device, transform=self.s.transform)
         accept = asyncio.create_task(self._accept_loop(), name="accept")
@@ -79,7 +79,7 @@ class Daemon:
         #    starting now sees "no daemon" rather than a half-dead one.
         accept.cancel()
         self._listener.close()
-        runfiles.remove(self.s.socket_path, self.s.ready_path)
+        runfiles.remove_ours(self.s.socket_path, self._inode, self.s.ready_path)
         # 2. Stop the loader if it is still at work (its finally terminates, then kills, the child).
         load.cancel()
         await asyncio.wait([accept, load], timeout=STOP_TIMEOUT_S + 2)
