@@ -127,6 +127,21 @@ def render_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _first_service(doc: dict, instance: str | None) -> str:
+    """The service of ``instance`` when given, else the first one (as the router routes)."""
+    rows = instances(doc)
+    for row in rows:
+        if instance is not None and row.get("name") == instance:
+            return row["service"]
+    if instance is not None:
+        raise AdminError(f"unknown instance {instance!r}; known: {sorted(r.get('name') for r in rows)}")
+    services = doc.get("services") or []
+    if not services:
+        raise AdminError("the router has no services yet")
+    first = services[0]
+    return first["name"] if isinstance(first, dict) else str(first)
+
+
 def _duration(s: float) -> str:
     s = int(s)
     if s < 60:
@@ -144,7 +159,8 @@ def run(a: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2) if a.json else render_table(doc))
         return 0
     if a.command == "promote":
-        body = {k: v for k, v in {"service": a.service, "to": a.to}.items() if v}
+        service = a.service or _first_service(call(url, token, "GET", "/admin/status", None, t), a.to)
+        body = {"service": service} | ({"to": a.to} if a.to else {})
     elif a.command == "drain":
         body = {"instance": a.instance} | ({"timeout": a.drain_timeout} if a.drain_timeout is not None else {})
         t = max(t, (a.drain_timeout or 0) + 10)

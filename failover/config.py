@@ -255,11 +255,29 @@ def preflight(config: Config) -> None:
     run = config.run_path
     if run.exists() and not run.is_dir():
         problems.append(f"run_dir: {run} exists and is not a directory")
-    elif (run / "daemon.sock").exists() or (run / "supervisor.pid").exists():
-        problems.append(f"run_dir: {run} holds a daemon socket or supervisor pid file: another `failover up` "
-                        "may be running there; stop it, or remove the stale files")
+    elif (other := _live_supervisor(run)) is not None:
+        problems.append(f"run_dir: `failover up` (pid {other}) is already running with {run}; "
+                        "stop it, or use another run_dir")
     if problems:
         raise ConfigError(config.source, problems)
+
+
+def _live_supervisor(run: Path) -> int | None:
+    """The pid in RUN_DIR/supervisor.pid when that process lives; a stale file is removed."""
+    import os
+
+    pid_file = run / "supervisor.pid"
+    try:
+        pid = int(pid_file.read_text().strip())
+        os.kill(pid, 0)
+    except (FileNotFoundError, ValueError):
+        return None
+    except ProcessLookupError:
+        pid_file.unlink(missing_ok=True)
+        return None
+    except PermissionError:
+        return pid
+    return pid
 
 
 def _check_model(model: ModelConfig) -> list[str]:

@@ -33,7 +33,7 @@ class ZygoteError(RuntimeError):
 class Zygote:
     """The supervisor's handle on its zygote; ``fork()`` returns a watched ``Child``."""
 
-    def __init__(self, *, preload: str = "torch,engine.cli", env: dict[str, str] | None = None,
+    def __init__(self, *, preload: str = "torch,engine.cli,engine.serve,cache_daemon.client", env: dict[str, str] | None = None,
                  parent_pid: int | None = None, on_exit: Callable[[Child], None] | None = None,
                  stdout=None) -> None:
         self.preload, self.env, self.stdout = preload, env, stdout
@@ -84,6 +84,12 @@ class Zygote:
         assert self._reader is not None
         (size,) = struct.unpack("!I", await self._reader.readexactly(4))
         return decode(await self._reader.readexactly(size))
+
+    async def ensure(self) -> None:
+        """Start the zygote unless it runs (after a crash: at once, so forks stay fast)."""
+        async with self._lock:
+            if not self.alive:
+                await self.start()
 
     async def fork(self, name: str, argv: list[str], *, target: str = "engine.cli:main",
                    env: dict[str, str] | None = None,

@@ -176,7 +176,7 @@ def _run_child(req: Fork) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m failover.zygote", description=__doc__.splitlines()[0])
     p.add_argument("--fd", type=int, required=True, help="inherited socket to the supervisor")
-    p.add_argument("--preload", default="torch,engine.cli",
+    p.add_argument("--preload", default="torch,engine.cli,engine.serve,cache_daemon.client",
                    help="comma-separated modules to import before forking")
     a = p.parse_args(argv)
     from failover.processes import set_process_name

@@ -1,0 +1,119 @@
+"""The supervisor's handle on the cache daemon: start it, wait for its ready file, restart it.
+
+Engines do not need the daemon once they have mapped their weights, so a dead daemon is an
+incident (logged, restarted with backoff), not an outage. Only new engines wait for it to be back.
+With ``supervisor.daemon = "external"`` (systemd unit, Kubernetes DaemonSet) someone else runs it and
+the supervisor only waits for its ready file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+from typing import Callable
+
+import structlog
+
+from failover import processes
+from failover.config import Config
+from failover.engine_args import daemon_argv
+from failover.processes import Child, ChildFailed
+
+log = structlog.get_logger(__name__)
+
+
+class CacheDaemon:
+    def __init__(self, config: Config, *, stdout=None, progress: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.stdout = stdout
+        self.progress = progress or (lambda text: None)
+        self.child: Child | None = None
+        self.ready_info: dict = {}
+        self.restarts = 0
+        self.incidents: list[dict] = []
+        self.stopping = False
+        self._ready = asyncio.Event()
+        self._restart_task: asyncio.Task | None = None
+
+    @property
+    def managed(self) -> bool:
+        return self.config.supervisor.daemon == "managed"
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    async def start(self) -> dict:
+        """Start the daemon (when managed) and wait until its ready file says every rank is loaded."""
+        cfg = self.config
+        if self.managed:
+            args = [sys.executable, "-m", "cache_daemon", *daemon_argv(cfg)]
+            # SIGTERM at our death: the daemon removes its socket and ready file on the way out
+            self.child = processes.spawn("cache-daemon", args, on_exit=self._exited, stdout=self.stdout,
+                                         deathsig=signal.SIGTERM)
+        t0 = time.monotonic()
+        if self.child is None:
+            self.ready_info = await self._wait_external(cfg.supervisor.daemon_ready_timeout)
+        else:
+            self.ready_info = await processes.wait_ready_file(
+                cfg.daemon_ready_file, self.child, cfg.supervisor.daemon_ready_timeout,
+                progress=lambda s: self.progress(f"cache daemon loading {cfg.model.path} ({s:.0f} s)"))
+        self._ready.set()
+        log.info("daemon_ready", seconds=round(time.monotonic() - t0, 3), socket=str(cfg.daemon_socket),
+                 pid=self.ready_info.get("pid"))
+        return self.ready_info
+
+    async def _wait_external(self, timeout: float) -> dict:
+        path = self.config.daemon_ready_file
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise ChildFailed(f"no cache daemon ready file at {path} after {timeout:.0f} s: "
+                                  "is the failover-daemon unit (or DaemonSet) running with this run dir?")
+            self.progress(f"waiting for the external cache daemon ({path})")
+            await asyncio.sleep(1.0)
+        return json.loads(path.read_text())
+
+    async def wait_ready(self) -> None:
+        await self._ready.wait()
+
+    def _exited(self, child: Child) -> None:
+        self._ready.clear()
+        if self.stopping:
+            return
+        incident = {"at": time.time(), "returncode": child.returncode, "pid": child.pid}
+        self.incidents.append(incident)
+        log.error("daemon_died", **incident,
+                  consequence="engines keep serving on their mappings; restarting the daemon")
+        if self._restart_task is None or self._restart_task.done():
+            self._restart_task = asyncio.ensure_future(self._restart())
+
+    async def _restart(self) -> None:
+        """Start it again, with growing delays; a daemon that cannot start is logged on every try."""
+        sup = self.config.supervisor
+        for attempt in range(1_000_000):
+            delay = 0.0 if attempt == 0 else min(sup.backoff_initial * 2 ** min(attempt, 16), sup.backoff_max)
+            await asyncio.sleep(delay)
+            if self.stopping:
+                return
+            self.restarts += 1
+            try:
+                await self.start()
+            except ChildFailed as e:
+                if self.child is not None and self.child.alive:  # hung while loading: end it first
+                    await self.child.stop(sup.stop_timeout)
+                log.error("daemon_restart_failed", attempt=attempt + 1, error=str(e), retry_in_s=delay)
+                continue
+            log.warning("daemon_restarted", restarts=self.restarts)
+            return
+
+    async def stop(self) -> None:
+        self.stopping = True
+        if self._restart_task is not None:
+            self._restart_task.cancel()
+            await asyncio.gather(self._restart_task, return_exceptions=True)
+        if self.child is not None:
+            await self.child.stop(self.config.supervisor.stop_timeout)

@@ -1,0 +1,33 @@
+"""The command lines of the processes the supervisor starts, built from the node config in one place."""
+
+from __future__ import annotations
+
+from failover.config import Config, ServiceConfig
+
+
+def daemon_argv(config: Config) -> list[str]:
+    """``failover daemon`` options for this node's model (run as ``python -m cache_daemon``)."""
+    m = config.model
+    return ["--model", m.path, "--run-dir", config.run_dir, "--tp", str(m.tp), "--device", m.device,
+            "--dtype", m.dtype, "--transform", m.transform, "--log-level", config.supervisor.log_level]
+
+
+def engine_argv(config: Config, svc: ServiceConfig, port: int) -> list[str]:
+    """``failover engine`` options for one instance: weights mapped from the daemon, never read."""
+    m = config.model
+    return ["--model", m.path, "--weights", "cache", "--socket", str(config.daemon_socket),
+            "--host", "127.0.0.1", "--port", str(port), "--tp", str(m.tp), "--device", m.device,
+            "--dtype", m.dtype, "--transform", m.transform, "--kv-memory", str(svc.kv_memory_bytes),
+            "--max-batch", str(svc.max_batch), "--served-model-name", svc.name,
+            "--drain-timeout", str(config.supervisor.drain_timeout),
+            "--log-level", config.supervisor.log_level]
+
+
+def external_argv(config: Config, svc: ServiceConfig, name: str, port: int) -> list[str]:
+    """An external engine's command template (``service.command``) filled in."""
+    assert svc.command is not None
+    m = config.model
+    values = {"model": m.path, "host": "127.0.0.1", "port": port, "name": name, "service": svc.name,
+              "socket": config.daemon_socket, "tp": m.tp, "dtype": m.dtype, "device": m.device,
+              "transform": m.transform, "kv_memory": svc.kv_memory_bytes, "run_dir": config.run_dir}
+    return [part.format(**values) for part in svc.command]

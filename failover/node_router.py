@@ -1,0 +1,75 @@
+"""The router as the supervisor runs it: the Launcher it calls, and a status that tells the whole node.
+
+``NodeLauncher`` is the supervisor's side of ``router.launcher.Launcher``: the router decides, the
+supervisor acts. Each call returns quickly (the router bounds it by ``fence_timeout``); a replacement
+is started in the background and registers itself once ready.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from failover.config import Config
+from router.app import Router
+from router.config import RouterConfig
+
+if TYPE_CHECKING:
+    from failover.supervisor import Supervisor
+
+
+def router_config(config: Config) -> RouterConfig:
+    r, sup = config.router, config.supervisor
+    return RouterConfig(host=r.host, port=r.port, admin_token_file=config.token_path,
+                        probe_interval=r.probe_interval, probe_timeout=r.probe_timeout,
+                        failure_threshold=r.probe_threshold, queue_deadline=r.queue_timeout,
+                        drain_timeout=sup.drain_timeout, fence_timeout=sup.stop_timeout + 5.0,
+                        shutdown_timeout=sup.drain_timeout)
+
+
+class NodeLauncher:
+    def __init__(self, supervisor: "Supervisor") -> None:
+        self.supervisor = supervisor
+
+    async def request_standby(self, service: str) -> None:
+        self.supervisor.ensure_service(service)
+
+    async def fence(self, name: str) -> None:
+        await self.supervisor.fence(name)
+
+    async def preempt(self, service: str) -> None:
+        await self.supervisor.preempt(service)
+
+    async def resume(self, service: str) -> None:
+        await self.supervisor.resume(service)
+
+
+class NodeRouter(Router):
+    """Router plus the supervisor's view: per-instance uptime and weight source, slots, daemon, zygote."""
+
+    def __init__(self, config: RouterConfig, launcher: NodeLauncher, supervisor: "Supervisor") -> None:
+        super().__init__(config, launcher)
+        self.supervisor = supervisor
+
+    def status(self) -> dict:
+        doc = super().status()
+        now = time.monotonic()
+        slots = self.supervisor.slots
+        for svc in doc["services"]:
+            if svc["name"] in self.supervisor.failed:
+                svc["state"] = "failed: " + self.supervisor.failed[svc["name"]]
+            for inst in svc["instances"]:
+                slot = slots.get(inst["name"])
+                if slot is not None and slot.pid is not None and slot.launched_at is not None:
+                    inst["uptime_s"] = round(now - slot.launched_at, 1)
+                    inst["weights_source"] = slot.ready_info.get("weights_source")
+        doc["supervisor"] = self.supervisor.status()
+        return doc
+
+    async def drain(self, instance: str, timeout: float | None = None) -> dict:
+        """Drain, then recycle: the drained process is stopped and comes back as a fresh standby."""
+        result = await super().drain(instance, timeout)
+        if instance in self.supervisor.slots:
+            self.supervisor._background(self.supervisor.retire(instance), f"retire-{instance}")
+            result["relaunch"] = "the drained instance restarts as a fresh standby"
+        return result

@@ -1,0 +1,85 @@
+"""Instance slots: the supervisor's side of an engine's life, as an explicit state machine.
+
+A slot is one configured instance of a service (``chat-0`` on port 8101, ``chat-1`` on 8102, ...). Its
+process comes and goes (the name and port stay); the router keeps the serving role (primary/standby),
+the slot keeps the process state:
+
+    STOPPED  -> STARTING              launched (zygote fork or spawn)
+    STARTING -> RUNNING               /ready answered 200
+    STARTING -> STOPPED               the launch itself failed (no process)
+    STARTING | RUNNING -> EXITED      the process died (crash, kill -9, fenced)
+    RUNNING  -> STOPPING              we asked it to go (fence, drain, preempt, shutdown)
+    STOPPING -> STOPPED | EXITED      it went
+    EXITED   -> BACKOFF -> STARTING   a replacement, after a delay that grows with recent exits
+    EXITED | BACKOFF -> STOPPED       not to be replaced (preempted, shutting down)
+    *        -> FATAL                 crash loop or no replacement could start: the service failed
+
+Every change goes through :meth:`Slot.change`, which asserts the table and logs one event.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from failover.processes import Child
+
+log = structlog.get_logger(__name__)
+
+STOPPED = "stopped"
+STARTING = "starting"
+RUNNING = "running"
+STOPPING = "stopping"
+EXITED = "exited"
+BACKOFF = "backoff"
+FATAL = "fatal"
+
+ALLOWED: dict[str, frozenset[str]] = {
+    STOPPED: frozenset({STARTING, FATAL}),
+    STARTING: frozenset({RUNNING, EXITED, STOPPING, STOPPED, FATAL}),
+    RUNNING: frozenset({EXITED, STOPPING, FATAL}),
+    STOPPING: frozenset({STOPPED, EXITED, FATAL}),
+    EXITED: frozenset({BACKOFF, STARTING, STOPPED, FATAL}),
+    BACKOFF: frozenset({STARTING, STOPPED, FATAL}),
+    FATAL: frozenset({STARTING}),  # only an operator's resume starts a failed service again
+}
+
+
+@dataclass(slots=True)
+class Slot:
+    service: str
+    name: str
+    port: int
+    state: str = STOPPED
+    child: Child | None = None
+    launches: int = 0
+    launched_at: float | None = None  # monotonic, of the current process
+    ready_at: float | None = None
+    ready_info: dict = field(default_factory=dict)
+    evicted_at: float | None = None  # monotonic: when its last process was seen gone
+    last_relaunch_s: float | None = None  # eviction -> replacement ready, seconds
+    hold: bool = False  # preempted or drained by an operator: do not replace
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.child.pid if self.child is not None and self.child.alive else None
+
+    def change(self, new: str, reason: str, **fields: object) -> None:
+        old = self.state
+        assert new in ALLOWED[old], f"slot {self.name}: {old} -> {new} is not allowed"
+        self.state = new
+        log.info("slot_state", slot=self.name, service=self.service, old=old, new=new, reason=reason, **fields)
+
+    def as_json(self) -> dict:
+        now = time.monotonic()
+        return {"slot": self.name, "state": self.state, "pid": self.pid, "port": self.port,
+                "launches": self.launches, "hold": self.hold,
+                "uptime_s": round(now - self.launched_at, 1) if self.launched_at and self.pid else None,
+                "weights_source": self.ready_info.get("weights_source"),
+                "last_relaunch_ms": None if self.last_relaunch_s is None else round(self.last_relaunch_s * 1e3, 1)}
