@@ -138,11 +138,11 @@ def decode(body: bytes) -> Message:
         return _decoder.decode(body)
     except msgspec.ValidationError as e:
         problem = e
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, ValueError) as e:  # msgspec lets a UnicodeDecodeError through
         raise ProtocolError(f"frame body is not msgpack: {e}", "malformed") from None
     try:
         raw = msgspec.msgpack.decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, ValueError):
         raw = None
     if isinstance(raw, dict) and raw.get("type") not in TAGS:
         raise ProtocolError(f"unknown message type {str(raw.get('type'))[:40]!r}", "unknown_type")
