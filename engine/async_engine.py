@@ -100,16 +100,15 @@ class AsyncEngine:
         self._loop.call_soon_threadsafe(_settle, self._ready, self.engine, None)
         try:
             while not self._stopping:
-                self._drain_inbox()
+                if self._drain_inbox():
+                    self._report()
                 if not self.engine.has_work():
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()
                 self._loop.call_soon_threadsafe(self._deliver, outputs)
-                if self._on_step is not None:
-                    s = self.engine.scheduler
-                    self._on_step(len(s.running), len(s.waiting))
+                self._report()
         except BaseException as e:  # noqa: BLE001 - any failure ends the engine; report, then exit
             log.exception("engine_step_failed")
             self.error = e
@@ -117,12 +116,20 @@ class AsyncEngine:
             return
         self.engine.runner.run(StepPlan("stop"))
 
-    def _drain_inbox(self) -> None:
+    def _report(self) -> None:
+        if self._on_step is not None:
+            s = self.engine.scheduler
+            self._on_step(len(s.running), len(s.waiting))
+
+    def _drain_inbox(self) -> bool:
+        """Apply queued adds and aborts; True if there were any."""
+        changed = False
         while True:
             try:
                 op, arg = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return changed
+            changed = True
             if op == "add":
                 self.engine.add(arg)
             else:

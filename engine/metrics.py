@@ -25,6 +25,8 @@ class EngineMetrics:
                                      ("model", "source"), registry=r)
         self.ready = Gauge("engine_ready", "1 while the engine admits requests", labels, registry=r)
         self.model = model
+        for family in (self.prompt_tokens, self.generation_tokens, self.running, self.waiting, self.ready):
+            family.labels(model)  # export every series from the start, at zero
 
     def outcome(self, outcome: str) -> None:
         self.requests.labels(self.model, outcome).inc()

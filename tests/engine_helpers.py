@@ -8,8 +8,10 @@ Run as a script it is one rank of a tp group that prints nothing and saves its l
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -93,18 +95,29 @@ def hf_logits(model: Path, ids: list[int]):
 
 # --- processes ---------------------------------------------------------------------------------
 def start_engine(procs, model: Path, port: int, *args: str, wait: bool = True) -> subprocess.Popen:
-    proc = procs.python("-m", "failover", "engine", "--model", str(model), "--port", str(port),
-                        "--log-level", "info", *args, stderr=subprocess.PIPE, text=True)
+    """Start ``failover engine``; its stderr (the JSON log) goes to a file at ``proc.log_path``
+    (a pipe nobody reads would fill up and block the engine)."""
+    fd, log_path = tempfile.mkstemp(prefix="engine-", suffix=".log")
+    try:
+        proc = procs.python("-m", "failover", "engine", "--model", str(model), "--port", str(port),
+                            "--log-level", "info", *args, stderr=fd, stdout=subprocess.DEVNULL)
+    finally:
+        os.close(fd)
+    proc.log_path = Path(log_path)
     if wait:
         wait_engine_ready(proc, port)
     return proc
+
+
+def engine_log(proc: subprocess.Popen) -> str:
+    return proc.log_path.read_text()
 
 
 def wait_engine_ready(proc: subprocess.Popen, port: int, timeout: float = READY_TIMEOUT_S) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"engine exited {proc.returncode}: {proc.stderr.read()[-3000:]}")
+            raise AssertionError(f"engine exited {proc.returncode}: {engine_log(proc)[-3000:]}")
         status, body = get(port, "/ready")
         if status == 200:
             return body
