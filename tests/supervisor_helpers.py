@@ -100,3 +100,177 @@ if __name__ == "__main__":
     configure_logging("warning")
     if sys.argv[1:] == ["zygote-scenario"]:
         asyncio.run(_zygote_scenario())
+
+
+# --- a node under test: `failover up` as a real process, and clients of its router ----------------
+
+import json as _json
+import os as _os
+import signal as _signal
+import subprocess as _subprocess
+import sys as _sys
+import threading as _threading
+import time as _time
+import urllib.error as _urlerror
+import urllib.request as _urlrequest
+from pathlib import Path as _Path
+
+REPO = _Path(__file__).resolve().parent.parent
+
+
+def http(method: str, url: str, body: dict | None = None, token: str | None = None, timeout: float = 30.0):
+    """(status, JSON body) of one request; connection errors raise."""
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    data = None if body is None else _json.dumps(body).encode()
+    req = _urlrequest.Request(url, data=data, method=method, headers=headers)
+    try:
+        with _urlrequest.urlopen(req, timeout=timeout) as resp:
+            return resp.status, _json.loads(resp.read() or b"{}")
+    except _urlerror.HTTPError as e:
+        with e:
+            raw = e.read()
+        try:
+            return e.code, _json.loads(raw)
+        except ValueError:
+            return e.code, {"raw": raw.decode(errors="replace")}
+
+
+def wait_until(predicate, timeout: float = 30.0, what: str = "condition", interval: float = 0.05):
+    deadline = _time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if _time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        _time.sleep(interval)
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+class Node:
+    """One `failover up` process on a fresh config; ``stop()`` checks it left nothing behind."""
+
+    def __init__(self, procs, tiny_model, run_dir, **config_overrides) -> None:
+        self.run_dir = _Path(run_dir) / "node"
+        self.config_path = write_config(_Path(run_dir) / "node.toml", model=tiny_model, run_dir=self.run_dir,
+                                        **config_overrides)
+        self.log_path = _Path(run_dir) / "up.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = procs.python("-m", "failover", "up", str(self.config_path), stdout=self._log,
+                                 stderr=_subprocess.STDOUT)
+        from failover.config import load_config
+
+        self.config = load_config(self.config_path)
+        self.url = self.config.router_url
+        self.seen_pids: set[int] = set()
+        wait_until(self._ready, 90, "the node to serve")
+        self.token = self.config.token_path.read_text().strip()
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"failover up exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+        try:
+            return http("GET", self.url + "/ready", timeout=2)[0] == 200
+        except OSError:
+            return False
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def status(self) -> dict:
+        code, doc = http("GET", self.url + "/admin/status", token=self.token)
+        assert code == 200, doc
+        sup = doc["supervisor"]
+        self.seen_pids |= {p for p in (sup["daemon"]["pid"], sup["zygote"]["pid"]) if p}
+        self.seen_pids |= {s["pid"] for s in sup["slots"] if s["pid"]}
+        return doc
+
+    def instances(self) -> dict[str, dict]:
+        return {i["name"]: i for s in self.status()["services"] for i in s["instances"]}
+
+    def slot(self, name: str) -> dict:
+        return next(s for s in self.status()["supervisor"]["slots"] if s["slot"] == name)
+
+    def role(self, role: str) -> dict:
+        return next(i for i in self.instances().values() if i["role"] == role)
+
+    def serving_pair(self) -> tuple[dict, dict] | None:
+        """(primary, standby) when both are ready, with live pids, else None."""
+        insts = list(self.instances().values())
+        prim = [i for i in insts if i["role"] == "primary" and i["ready"] and i["pid"]]
+        stby = [i for i in insts if i["role"] == "standby" and i["ready"] and i["pid"]]
+        return (prim[0], stby[0]) if prim and stby else None
+
+    def cli(self, *args: str) -> _subprocess.CompletedProcess:
+        return _subprocess.run([_sys.executable, "-m", "failover", *args, "--config", str(self.config_path)],
+                               capture_output=True, text=True, timeout=60, cwd=REPO)
+
+    def stop(self, sig: int = _signal.SIGINT) -> None:
+        """Ctrl-C the node; assert a clean exit with no process and no file left behind."""
+        try:
+            self.status()
+        except (OSError, AssertionError):
+            pass
+        self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(60)
+        finally:
+            self._log.close()
+        assert code == 0, f"failover up exited with {code}:\n{self.log()[-3000:]}"
+        left = [p for p in self.seen_pids if alive(p)]
+        assert not left, f"processes left behind: {left}"
+        assert not self.run_dir.exists(), f"run dir left behind: {sorted(_os.listdir(self.run_dir))}"
+
+
+class Load(_threading.Thread):
+    """Sends completions in ``workers`` threads until stopped; counts what succeeded and what failed."""
+
+    def __init__(self, url: str, workers: int = 3, max_tokens: int = 8) -> None:
+        super().__init__(daemon=True)
+        self.url, self.workers, self.max_tokens = url, workers, max_tokens
+        self.ok = 0
+        self.failures: list[str] = []
+        self._stop_event = _threading.Event()
+        self._lock = _threading.Lock()
+
+    def run(self) -> None:
+        threads = [_threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(self.workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def _worker(self, i: int) -> None:
+        n = 0
+        while not self._stop_event.is_set():
+            n += 1
+            body = {"model": "chat", "prompt": f"worker {i} request {n}", "max_tokens": self.max_tokens,
+                    "temperature": 0}
+            try:
+                code, doc = http("POST", self.url + "/v1/completions", body, timeout=30)
+                error = None if code == 200 and doc.get("choices") else f"{code}: {str(doc)[:200]}"
+            except OSError as e:
+                error = f"{type(e).__name__}: {e}"
+            with self._lock:
+                if error is None:
+                    self.ok += 1
+                else:
+                    self.failures.append(error)
+
+    def total(self) -> int:
+        with self._lock:
+            return self.ok + len(self.failures)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(60)

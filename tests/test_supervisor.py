@@ -1,0 +1,96 @@
+"""`failover up` as a real process: failures of each part are healed and serving never stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from supervisor_helpers import Load, Node, alive, wait_until
+
+
+@pytest.fixture
+def node(procs, tiny_model, run_dir):
+    n = Node(procs, tiny_model, run_dir)
+    yield n
+    n.stop()  # Ctrl-C: exit 0, no process, no file left (asserted)
+
+
+def test_kill_primary_under_load_switches_and_relaunches_through_the_zygote(node):
+    primary, standby = wait_until(node.serving_pair, 30, "a ready primary and standby")
+    load = Load(node.url)
+    load.start()
+    wait_until(lambda: load.total() >= 5, 30, "some traffic")
+    os.kill(primary["pid"], signal.SIGKILL)
+    # the router switches to the standby; the dead slot comes back as a ready standby, new pid
+    wait_until(lambda: node.role("primary")["name"] == standby["name"], 10, "the switch")
+    back = wait_until(lambda: (p := node.serving_pair()) and p[1]["name"] == primary["name"]
+                      and p[1]["pid"] != primary["pid"] and p, 30, "the replacement standby")
+    seen = load.total()
+    wait_until(lambda: load.total() >= seen + 5, 30, "traffic after the failover")
+    load.stop()
+    assert load.failures == [], load.failures[:5]
+    assert back[0]["name"] == standby["name"]
+    slot = node.slot(primary["name"])
+    assert slot["weights_source"] == "cache" and slot["launches"] == 2
+    assert slot["last_relaunch_ms"] is not None
+    assert node.status()["last_failover"]["chat"]["old"] == primary["name"]
+    assert "launch=zygote" in node.log() or '"launch": "zygote"' in node.log()
+
+
+def test_kill_standby_zygote_and_daemon_each_replaced_while_serving(node):
+    primary, standby = wait_until(node.serving_pair, 30, "a ready primary and standby")
+    sup = node.status()["supervisor"]
+    load = Load(node.url, workers=2)
+    load.start()
+
+    os.kill(standby["pid"], signal.SIGKILL)
+    wait_until(lambda: (p := node.serving_pair()) and p[1]["pid"] != standby["pid"], 30, "a new standby")
+    assert node.role("primary")["pid"] == primary["pid"]  # the primary never moved
+
+    os.kill(sup["zygote"]["pid"], signal.SIGKILL)
+    wait_until(lambda: (z := node.status()["supervisor"]["zygote"])["pid"] not in (None, sup["zygote"]["pid"]),
+               30, "a new zygote")
+
+    os.kill(sup["daemon"]["pid"], signal.SIGKILL)
+    wait_until(lambda: (d := node.status()["supervisor"]["daemon"])["ready"] and d["pid"] != sup["daemon"]["pid"],
+               60, "the daemon back")
+    assert node.status()["supervisor"]["daemon"]["incidents"][-1]["returncode"] == -9
+
+    # after all that, a failover still relaunches through the new zygote from the new daemon
+    primary2, standby2 = wait_until(node.serving_pair, 30, "a ready pair")
+    os.kill(primary2["pid"], signal.SIGKILL)
+    wait_until(lambda: (p := node.serving_pair()) and p[1]["name"] == primary2["name"]
+               and p[1]["pid"] != primary2["pid"], 30, "the replacement standby")
+    seen = load.total()
+    wait_until(lambda: load.total() >= seen + 3, 30, "traffic at the end")
+    load.stop()
+    assert load.failures == [], load.failures[:5]
+    assert alive(node.status()["supervisor"]["zygote"]["pid"])
+
+
+def test_sigterm_is_a_clean_shutdown_too(procs, tiny_model, run_dir):
+    n = Node(procs, tiny_model, run_dir)
+    n.stop(signal.SIGTERM)
+
+
+def test_crash_loop_marks_the_service_failed(procs, tiny_model, run_dir):
+    n = Node(procs, tiny_model, run_dir, supervisor={"crash_loop_exits": 3, "crash_loop_window": 60.0,
+                                                     "backoff_initial": 0.05})
+    try:
+        for _ in range(3):
+            primary, standby = wait_until(n.serving_pair, 30, "a ready pair")
+            os.kill(standby["pid"], signal.SIGKILL)
+            wait_until(lambda: n.slot(standby["name"])["pid"] != standby["pid"], 30, "the exit seen")
+        doc = wait_until(lambda: (d := n.status())["supervisor"]["failed"] and d, 10, "the service failed")
+        assert "exited 3 times" in doc["supervisor"]["failed"]["chat"]
+        assert "failed" in doc["services"][0]["state"]
+        assert "service_failed" in n.log()
+        # still serving on the primary; an operator's resume brings the standby back
+        assert n.role("primary")["ready"]
+        resumed = n.cli("resume", "chat")
+        assert resumed.returncode == 0, resumed.stderr
+        wait_until(n.serving_pair, 30, "the standby back after resume")
+    finally:
+        n.stop()
