@@ -1,0 +1,160 @@
+"""Closed-loop load for the proof benchmarks: completions and chat, streamed and not.
+
+Every answer is checked against the greedy answer of an uninterrupted run, so a stream that was
+migrated with a repeated or missing token counts as broken even though it ended with [DONE].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+PROMPTS = [
+    "The quick brown fox", "A hot standby takes over", "Weights stay resident", "Hello, world!",
+    "one two three four", "def main():", "Failover in well under", "The primary engine fails",
+]
+
+
+@dataclass(slots=True)
+class Outcome:
+    start: float
+    end: float
+    ok: bool
+    stream: bool
+    chat: bool
+    error: str = ""
+    ttft: float | None = None
+    max_gap: float = 0.0  # longest pause between two chunks of a stream
+
+
+@dataclass(slots=True)
+class Load:
+    base_url: str
+    max_tokens: int = 16
+    stream_ratio: float = 0.5
+    chat_ratio: float = 0.3
+    seed: int = 0
+    model: str = ""  # learned from /v1/models
+    expected: dict = field(default_factory=dict)  # (prompt, chat) -> greedy text
+    outcomes: list[Outcome] = field(default_factory=list)
+    progress: list[float] = field(default_factory=list)  # when any answer or stream chunk arrived
+
+    def body(self, prompt: str, chat: bool, stream: bool) -> tuple[str, dict]:
+        b = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0.0, "stream": stream}
+        if chat:
+            return "/v1/chat/completions", b | {"messages": [{"role": "user", "content": prompt}]}
+        return "/v1/completions", b | {"prompt": prompt}
+
+    async def learn_expected(self, session: aiohttp.ClientSession) -> None:
+        """The model name and reference answers, taken once from a healthy backend before any fault."""
+        async with session.get(self.base_url + "/v1/models") as r:
+            r.raise_for_status()
+            self.model = (await r.json())["data"][0]["id"]
+        for prompt in PROMPTS:
+            for chat in (False, True):
+                path, body = self.body(prompt, chat, stream=False)
+                async with session.post(self.base_url + path, json=body) as r:
+                    r.raise_for_status()
+                    data = await r.json()
+                choice = data["choices"][0]
+                self.expected[(prompt, chat)] = choice["message"]["content"] if chat else choice["text"]
+
+    async def one(self, session: aiohttp.ClientSession, rng: random.Random) -> Outcome:
+        prompt, chat, stream = rng.choice(PROMPTS), rng.random() < self.chat_ratio, rng.random() < self.stream_ratio
+        path, body = self.body(prompt, chat, stream)
+        out = Outcome(start=time.monotonic(), end=0.0, ok=False, stream=stream, chat=chat)
+        try:
+            async with session.post(self.base_url + path, json=body) as r:
+                if r.status != 200:
+                    out.error = f"http {r.status}"
+                    return out
+                text = await (self._read_stream(r, chat, out) if stream else self._read_json(r, chat))
+            if text is None:
+                out.error = "stream ended without [DONE]"
+            elif text != self.expected[(prompt, chat)]:
+                out.error = "wrong text (repeated or missing tokens)"
+            else:
+                out.ok = True
+                self.progress.append(time.monotonic())
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, KeyError) as e:
+            out.error = type(e).__name__
+        finally:
+            out.end = time.monotonic()
+        return out
+
+    async def _read_json(self, r: aiohttp.ClientResponse, chat: bool) -> str:
+        choice = (await r.json())["choices"][0]
+        return choice["message"]["content"] if chat else choice["text"]
+
+    async def _read_stream(self, r: aiohttp.ClientResponse, chat: bool, out: Outcome) -> str | None:
+        parts, last = [], time.monotonic()
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            now = time.monotonic()
+            out.max_gap, last = max(out.max_gap, now - last), now
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return "".join(parts)
+            for choice in json.loads(data).get("choices", []):
+                piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                if piece:
+                    out.ttft = out.ttft or now - out.start
+                    self.progress.append(now)
+                    parts.append(piece)
+        return None
+
+    async def run(self, concurrency: int, stop: asyncio.Event, timeout: float = 60.0) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+            async def worker(i: int) -> None:
+                rng = random.Random(self.seed * 1000 + i)
+                while not stop.is_set():
+                    self.outcomes.append(await self.one(session, rng))
+            await asyncio.gather(*(worker(i) for i in range(concurrency)))
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def blackouts(progress: list[float], faults: list[float]) -> list[float]:
+    """Per fault: time from the fault to the first token or answer any client received after it.
+
+    The killed engine can send nothing after its death, so the first progress after a fault comes
+    from whichever engine took over: this is the blackout a client population sees.
+    """
+    ends = sorted(progress)
+    result = []
+    for t in faults:
+        after = [e for e in ends if e > t]
+        if after:
+            result.append(after[0] - t)
+    return result
+
+
+def summary(outcomes: list[Outcome], progress: list[float], faults: list[float], elapsed: float) -> dict:
+    failed = [o for o in outcomes if not o.ok]
+    causes: dict[str, int] = {}
+    for o in failed:
+        causes[o.error] = causes.get(o.error, 0) + 1
+    lat = [o.end - o.start for o in outcomes if o.ok]
+    bo = blackouts(progress, faults)
+    return {
+        "requests": len(outcomes), "failed": len(failed), "failed_by_cause": causes,
+        "broken_streams": sum(1 for o in failed if o.stream),
+        "rps": round(len(outcomes) / elapsed, 1) if elapsed else 0.0,
+        "latency_p50_ms": round(percentile(lat, 50) * 1e3, 1), "latency_p99_ms": round(percentile(lat, 99) * 1e3, 1),
+        "blackout_p50_ms": round(percentile(bo, 50) * 1e3, 1), "blackout_p99_ms": round(percentile(bo, 99) * 1e3, 1),
+        "longest_stream_stall_ms": round(max((o.max_gap for o in outcomes if o.stream), default=0.0) * 1e3, 1),
+        "faults": len(faults), "mean_latency_ms": round(statistics.fmean(lat) * 1e3, 1) if lat else None,
+    }
