@@ -175,7 +175,7 @@ class Supervisor:
         planned = slot.state == slots.STOPPING
         slot.change(slots.STOPPED if planned else slots.EXITED, "process exited", returncode=child.returncode)
         svc = self.router.services.get(slot.service)
-        if svc is not None and slot.name in svc.instances:
+        if svc is not None and slot.name in svc.instances and not self.stopping:
             self.router.instance_exited(slot.name, child.returncode)
         if planned or self.stopping or not self.serving or slot.hold or slot.service in self.failed:
             return

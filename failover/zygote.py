@@ -100,8 +100,9 @@ def serve(sock: socket.socket, preload: list[str], import_s: float) -> int:
     while True:
         try:
             msg = _read_frame(sock)
-        except EOFError:
-            return 0  # the supervisor is gone or done with us
+        except EOFError:  # the supervisor is done with us; nothing to tear down (skip torch's atexit)
+            sys.stderr.flush()
+            os._exit(0)
         if not isinstance(msg, Fork):
             sock.sendall(encode(Failed(id=-1, message=f"zygote: unexpected {type(msg).__name__}")))
             continue
