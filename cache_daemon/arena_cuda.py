@@ -109,13 +109,14 @@ class CudaArena:
         cu = _cu()
         chunks = chunk_sizes(size, device, chunk_bytes)
         handles = []
-        try:
-            for n in chunks:
-                handles.append(_ck(cu.cuMemCreate(n, _prop(device), 0), f"cuMemCreate({n} bytes)"))
-        except ArenaError:
-            for h in handles:
-                cu.cuMemRelease(h)
-            raise
+        with _device(device):
+            try:
+                for n in chunks:
+                    handles.append(_ck(cu.cuMemCreate(n, _prop(device), 0), f"cuMemCreate({n} bytes)"))
+            except ArenaError:
+                for h in handles:
+                    cu.cuMemRelease(h)
+                raise
         return cls(device, chunks, handles, writable=True)
 
     @classmethod

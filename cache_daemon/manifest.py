@@ -78,13 +78,20 @@ def plan(specs, *, arena: int = 0) -> tuple[list[TensorEntry], int]:
 
 
 def views(manifest: Manifest, arenas: list) -> dict:
-    """name -> tensor for every entry and alias, given one flat uint8 tensor per arena (no copy)."""
+    """name -> tensor for every entry and alias, given one flat uint8 tensor per arena (no copy).
+
+    One ``as_strided`` per tensor over a per-dtype view of the whole arena: the cost of mapping a
+    model is dominated by this loop, so it does nothing else.
+    """
     import torch
 
+    typed: dict[tuple[int, str], object] = {}
     out = {}
     for e in manifest.tensors:
-        flat = arenas[e.arena][e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype))
-        out[e.name] = flat.as_strided(e.shape, e.stride)
+        base = typed.get((e.arena, e.dtype))
+        if base is None:
+            base = typed[(e.arena, e.dtype)] = arenas[e.arena].view(getattr(torch, e.dtype))
+        out[e.name] = base.as_strided(e.shape, e.stride, e.offset // ITEMSIZE[e.dtype])
     for alias, target in manifest.aliases.items():
         out[alias] = out[target]
     return out

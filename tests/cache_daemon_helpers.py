@@ -48,8 +48,8 @@ def stop_daemon(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: floa
 
 
 def child(procs, mode: str, sock: Path, model: Path, *, tp: int = 1, ranks=(0,), dtype: str = "float32",
-          transform: str = "none", **kw) -> subprocess.Popen:
-    args = [CHILD, mode, str(sock), str(model), dtype, str(tp), ",".join(map(str, ranks)), transform]
+          transform: str = "none", device: str = "cpu", **kw) -> subprocess.Popen:
+    args = [CHILD, mode, str(sock), str(model), dtype, str(tp), ",".join(map(str, ranks)), transform, device]
     return procs.python(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.PIPE,
                         text=True, **kw)
 
