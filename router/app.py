@@ -1,0 +1,227 @@
+"""The Router: services and instances, the HTTP server, and the operations the supervisor calls.
+
+Threading contract: every method runs in the event loop the router was started in (the supervisor
+calls ``instance_exited`` from a task of that loop, or through ``loop.call_soon_threadsafe``).
+
+    router = Router(RouterConfig(port=8000, admin_token_file=path), launcher)
+    router.add_instance("chat", "chat-0", "http://127.0.0.1:9001", "primary", pid=1234)
+    router.add_instance("chat", "chat-1", "http://127.0.0.1:9002", "standby", pid=1235)
+    await router.start()
+    ...
+    router.instance_exited("chat-0", -9)     # instant failover to chat-1, fence, request_standby
+    router.add_instance("chat", "chat-0", "http://127.0.0.1:9003", "standby", pid=1240)  # replacement
+    ...
+    await router.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+from aiohttp import web
+
+from router import states
+from router.admin import AdminAPI, read_token
+from router.backend import Instance, Service
+from router.config import RouterConfig
+from router.errors import AdminError
+from router.health import HealthMonitor
+from router.launcher import Launcher, NullLauncher
+from router.metrics import CONTENT_TYPE, Metrics
+from router.promotion import Promoter
+from router.proxy import Proxy
+
+log = structlog.get_logger(__name__)
+
+
+class Router:
+    def __init__(self, config: RouterConfig, launcher: Launcher | None = None) -> None:
+        self.config = config
+        self.launcher = launcher if launcher is not None else NullLauncher()
+        self.services: dict[str, Service] = {}
+        self.metrics = Metrics()
+        self.health = HealthMonitor(config, self._on_probe)
+        # Without a launcher nobody relaunches a fenced instance: it goes to STOPPED, not RELAUNCHING.
+        self.promoter = Promoter(config, self.services, self.launcher, launcher is not None,
+                                 self.metrics, self.health.confirm)
+        self.proxy = Proxy(config, self.services, self.promoter, self.metrics)
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self.port: int | None = None
+
+    # -- instances ----------------------------------------------------------------------------
+    def add_instance(self, service: str, name: str, url: str, role: str, pid: int | None = None) -> Instance:
+        """Register an instance (or re-register a relaunched/stopped/preempted one under its name)."""
+        if role not in states.INITIAL_ROLES:
+            raise ValueError(f"role must be one of {states.INITIAL_ROLES}, not {role!r}")
+        svc = self.services.get(service)
+        if svc is None:
+            svc = self.services[service] = Service(service, self.config.queue_size)
+        if role == states.PRIMARY and svc.primary is not None and svc.primary.name != name:
+            raise ValueError(f"service {service!r} already has primary {svc.primary.name!r}; "
+                             f"add {name!r} as a standby and promote it")
+        inst = self._find(name)
+        if inst is None:
+            inst = Instance(service, name, url, role, pid)
+            svc.instances[name] = inst
+            log.info("instance_added", service=service, instance=name, url=inst.url, role=role, pid=pid)
+            self.metrics.set_role(service, name, role)
+            self.metrics.set_up(service, name, False)
+        else:
+            if inst.service != service:
+                raise ValueError(f"instance {name!r} belongs to service {inst.service!r}")
+            if inst.role in (states.PRIMARY, states.DRAINING) and not inst.fenced:
+                raise ValueError(f"instance {name!r} is {inst.role}; remove it before re-adding")
+            self._reregister(inst, url, role, pid)
+        if role == states.PRIMARY:
+            svc.primary = inst
+        svc.refresh()
+        if self._runner is not None:
+            self.health.watch(inst)
+        return inst
+
+    def _reregister(self, inst: Instance, url: str, role: str, pid: int | None) -> None:
+        old_session = inst._session
+        inst._session = None
+        if old_session is not None:
+            self.promoter.spawn(old_session.close(), f"close-{inst.name}")
+        inst.url, inst.pid = url.rstrip("/"), pid
+        inst.generation += 1
+        inst.fenced = inst.suspect = False
+        inst.failures = 0
+        self.promoter.set_ready(inst, False, "re-registered")
+        if inst.role != role:
+            self.promoter.set_role(inst, role, "re-registered")
+
+    def remove_instance(self, name: str) -> None:
+        """Forget ``name``: no more requests or probes (its process is the caller's business)."""
+        inst = self._get(name)
+        svc = self.services[inst.service]
+        inst.fenced = True
+        if inst.role != states.STOPPED:
+            self.promoter.set_role(inst, states.STOPPED, "removed")
+        del svc.instances[name]
+        self.metrics.forget(inst.service, name)
+        if svc.primary is inst:
+            svc.primary = None
+            self.promoter.promote_best(svc, "primary removed")
+        svc.refresh()
+        self.promoter.spawn(inst.close_session(), f"close-{name}")
+
+    def instance_exited(self, name: str, returncode: int | None) -> None:
+        """Instant failure notice from whoever launched ``name`` (its process is gone)."""
+        inst = self._find(name)
+        if inst is None:
+            log.warning("exit_of_unknown_instance", instance=name, returncode=returncode)
+            return
+        self.promoter.instance_exited(inst, returncode)
+
+    def _on_probe(self, inst: Instance, generation: int, ok: bool, why: str, latency: float) -> None:
+        self.promoter.on_probe(inst, generation, ok, why, latency)
+
+    def _find(self, name: str) -> Instance | None:
+        for svc in self.services.values():
+            if name in svc.instances:
+                return svc.instances[name]
+        return None
+
+    def _get(self, name: str) -> Instance:
+        inst = self._find(name)
+        if inst is None:
+            known = sorted(n for svc in self.services.values() for n in svc.instances)
+            raise AdminError(404, f"unknown instance {name!r}; known: {known}", "not_found")
+        return inst
+
+    def _service(self, name: str) -> Service:
+        svc = self.services.get(name)
+        if svc is None:
+            raise AdminError(404, f"unknown service {name!r}; known: {sorted(self.services)}", "not_found")
+        return svc
+
+    # -- operations (admin API and supervisor) -------------------------------------------------
+    def status(self) -> dict:
+        return {"services": [svc.as_json() for svc in self.services.values()],
+                "last_failover": self.promoter.last_failover}
+
+    async def promote(self, service: str, to: str | None = None) -> dict:
+        return await self.promoter.switchover(self._service(service), to)
+
+    async def drain(self, instance: str, timeout: float | None = None) -> dict:
+        return await self.promoter.drain(self._get(instance), timeout)
+
+    async def preempt(self, service: str) -> dict:
+        return await self.promoter.preempt(self._service(service))
+
+    async def resume(self, service: str) -> dict:
+        return await self.promoter.resume(self._service(service), self.health.watch)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        assert self.port is not None, "router not started"
+        return f"http://{self.config.host}:{self.port}"
+
+    def build_app(self) -> web.Application:
+        token = read_token(self.config.admin_token_file) if self.config.admin_token_file else None
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.add_routes(AdminAPI(self, token).routes())
+        app.add_routes([web.get("/health", self._health), web.get("/ready", self._ready),
+                        web.get("/metrics", self._metrics),
+                        web.route("*", "/v1/{tail:.*}", self.proxy.handle)])
+        return app
+
+    async def start(self) -> None:
+        """Bind, serve, start probing. Raises OSError if the port is taken, TokenFileError on a bad token."""
+        app = self.build_app()
+        # handler_cancellation: a client that disconnects cancels its handler, hence the upstream request.
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=self.config.shutdown_timeout)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await self._site.start()
+        self.port = self._runner.addresses[0][1]
+        for svc in self.services.values():
+            for inst in svc.instances.values():
+                self.health.watch(inst)
+        log.info("router_started", host=self.config.host, port=self.port,
+                 services={n: list(s.instances) for n, s in self.services.items()})
+
+    async def stop(self) -> None:
+        """Ordered shutdown; each step bounded, the last one cancels what is left."""
+        if self._runner is None:
+            return
+        # 1. Waiting requests get their 503 now rather than at their deadline.
+        for svc in self.services.values():
+            svc.closing = True
+            svc.refresh()
+        # 2. Stop probing, so no verdict fences or promotes anything mid-shutdown.
+        await self.health.stop()
+        # 3. Close the listener, let in-flight requests finish (shutdown_timeout), cancel the rest.
+        await self._runner.cleanup()
+        self._runner = self._site = None
+        # 4. Launcher calls in flight (fence, request_standby) get a bounded wait, then cancel.
+        tasks = list(self.promoter.tasks)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self.config.shutdown_timeout)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        # 5. Upstream pools last: nothing uses them any more.
+        for svc in self.services.values():
+            for inst in svc.instances.values():
+                await inst.close_session()
+        log.info("router_stopped")
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"alive": True})
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        ready = {name: svc.routable() is not None for name, svc in self.services.items()}
+        ok = bool(ready) and all(ready.values())
+        return web.json_response({"ready": ok, "services": ready}, status=200 if ok else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        for svc in self.services.values():
+            self.metrics.queued.labels(svc.name).set(svc.waiting)
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

@@ -1,0 +1,146 @@
+"""Backends: one engine instance, and the service (one primary, its standbys, its wait queue).
+
+Ownership: an Instance owns its aiohttp ClientSession (its connection pool) and knows the guards
+of the requests in flight to it. Fencing fires those guards (each is an ``asyncio.timeout``, so
+firing it raises TimeoutError inside exactly that request, even one blocked on a hung engine;
+closing the pool alone would not wake a reader whose peer went silent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from router import states
+from router.errors import NoPrimary
+
+
+class Instance:
+    def __init__(self, service: str, name: str, url: str, role: str, pid: int | None) -> None:
+        self.service = service
+        self.name = name
+        self.url = url.rstrip("/")
+        self.role = role
+        self.pid = pid
+        self.last_transition = states.initial(role)
+        self.ready = False  # verdict of the last probe (or passive observation)
+        self.suspect = False  # a proxied request failed; a confirm probe is on its way
+        self.failures = 0  # consecutive failures, probes and passive observations together
+        self.fenced = False  # never serves again under this registration
+        self.generation = 0  # bumped on re-registration: late results of the old one are dropped
+        self.probe_latency: float | None = None
+        self.last_ok: float | None = None  # monotonic time of the last good response or chunk
+        self.inflight = 0
+        self.guards: set[asyncio.Timeout] = set()  # one per in-flight upstream attempt
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self, connect_timeout: float) -> aiohttp.ClientSession:
+        """The pool for this instance (created on first use, inside the event loop)."""
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=False)
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout,
+                                                  auto_decompress=False)
+        return self._session
+
+    async def close_session(self) -> None:
+        """Close the pool: in-flight requests to this instance fail at once (fencing, shutdown)."""
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    def abort_inflight(self) -> int:
+        """Make every request in flight to this instance fail now (they retry or migrate)."""
+        now = asyncio.get_running_loop().time()
+        for guard in self.guards:
+            guard.reschedule(now)
+        return len(self.guards)
+
+    def begin(self) -> None:
+        self.inflight += 1
+        self.idle.clear()
+
+    def end(self) -> None:
+        self.inflight -= 1
+        assert self.inflight >= 0, f"{self.name}: in-flight count went negative"
+        if self.inflight == 0:
+            self.idle.set()
+
+    def mark_ok(self) -> None:
+        self.last_ok = time.monotonic()
+
+    def as_json(self) -> dict:
+        return {"name": self.name, "service": self.service, "role": self.role, "url": self.url,
+                "pid": self.pid, "ready": self.ready, "suspect": self.suspect,
+                "inflight": self.inflight, "fenced": self.fenced,
+                "probe_latency_ms": None if self.probe_latency is None else round(self.probe_latency * 1e3, 2),
+                "last_transition": self.last_transition.as_json()}
+
+
+class Service:
+    """One served model: a primary, standbys, and the requests waiting while there is no primary."""
+
+    def __init__(self, name: str, queue_size: int) -> None:
+        self.name = name
+        self.instances: dict[str, Instance] = {}
+        self.primary: Instance | None = None
+        self.queue_size = queue_size
+        self.waiting = 0
+        self.closing = False
+        self.lock = asyncio.Lock()  # serialises planned switchovers and drains
+        self._available = asyncio.Event()
+
+    def routable(self) -> Instance | None:
+        p = self.primary
+        if p is not None and p.role in states.ROUTABLE and p.ready and not p.suspect and not p.fenced:
+            return p
+        return None
+
+    def refresh(self) -> None:
+        """Re-derive the 'a primary is ready' event after any change of role, readiness, suspicion."""
+        if self.routable() is not None or self.closing:
+            self._available.set()
+        else:
+            self._available.clear()
+
+    def standbys(self) -> list[Instance]:
+        return [i for i in self.instances.values() if i.role == states.STANDBY]
+
+    async def acquire(self, deadline: float) -> Instance:
+        """The ready primary, waiting (bounded queue, until ``deadline``, monotonic) while none is."""
+        inst = self.routable()
+        if inst is not None:
+            return inst
+        if self.waiting >= self.queue_size:
+            raise NoPrimary(self.name, "queue full")
+        self.waiting += 1
+        try:
+            while True:
+                if self.closing:
+                    raise NoPrimary(self.name, "router shutting down")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise NoPrimary(self.name, "no primary became ready before the queue deadline")
+                try:
+                    async with asyncio.timeout(remaining):
+                        await self._available.wait()
+                except TimeoutError:
+                    continue
+                inst = self.routable()
+                if inst is not None:
+                    return inst
+                # Woken by a change that did not yield a primary (e.g. shutdown): loop to re-check
+                # without spinning on a set event.
+                if not self.closing:
+                    self._available.clear()
+        finally:
+            self.waiting -= 1
+
+    def as_json(self) -> dict:
+        return {"name": self.name, "primary": self.primary.name if self.primary else None,
+                "ready": self.routable() is not None, "queued": self.waiting,
+                "instances": [i.as_json() for i in self.instances.values()]}

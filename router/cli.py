@@ -1,0 +1,106 @@
+"""``failover router``: the router alone, in front of engines it did not start.
+
+    failover router --backend chat-0=http://127.0.0.1:9001 --standby chat-1=http://127.0.0.1:9002
+
+Detection is HTTP only (probes and failed requests); fencing means never routing to the instance
+again. The first --backend is the primary; further --backend and every --standby are standbys.
+``--service`` names the service (default: "default"); requests go to it whatever their ``model``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+import structlog
+
+from cache_daemon.logs import configure_logging
+from router.admin import TokenFileError
+from router.app import Router
+from router.config import RouterConfig
+
+log = structlog.get_logger(__name__)
+
+
+def _name_url(text: str) -> tuple[str, str]:
+    name, sep, url = text.partition("=")
+    if not sep or not name or not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected NAME=http://HOST:PORT, got {text!r}")
+    return name, url
+
+
+def parser() -> argparse.ArgumentParser:
+    d = RouterConfig()
+    p = argparse.ArgumentParser(prog="failover router", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", action="append", type=_name_url, default=[], metavar="NAME=URL",
+                   help="an engine; the first one is the primary")
+    p.add_argument("--standby", action="append", type=_name_url, default=[], metavar="NAME=URL",
+                   help="a standby engine (may repeat)")
+    p.add_argument("--service", default="default", help="service name (default: %(default)s)")
+    p.add_argument("--host", default=d.host, help="listen address (default: %(default)s, loopback)")
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--admin-token-file", type=Path, help="0600 file with the admin bearer token")
+    p.add_argument("--probe-path", default=d.probe_path, help="readiness path (vLLM/SGLang: /health)")
+    p.add_argument("--probe-interval", type=float, default=d.probe_interval)
+    p.add_argument("--probe-timeout", type=float, default=d.probe_timeout)
+    p.add_argument("--failure-threshold", type=int, default=d.failure_threshold)
+    p.add_argument("--queue-size", type=int, default=d.queue_size)
+    p.add_argument("--queue-deadline", type=float, default=d.queue_deadline)
+    p.add_argument("--max-retries", type=int, default=d.max_retries)
+    p.add_argument("--max-migrations", type=int, default=d.max_migrations)
+    p.add_argument("--stall-timeout", type=float, default=d.stall_timeout)
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    if not args.backend:
+        p.print_usage(sys.stderr)
+        print("failover router: give at least one --backend NAME=URL", file=sys.stderr)
+        return 2
+    names = [n for n, _ in args.backend + args.standby]
+    if len(set(names)) != len(names):
+        print(f"failover router: instance names must be unique, got {names}", file=sys.stderr)
+        return 2
+    try:
+        config = RouterConfig(
+            host=args.host, port=args.port, admin_token_file=args.admin_token_file,
+            probe_path=args.probe_path, probe_interval=args.probe_interval,
+            probe_timeout=args.probe_timeout, failure_threshold=args.failure_threshold,
+            queue_size=args.queue_size, queue_deadline=args.queue_deadline,
+            max_retries=args.max_retries, max_migrations=args.max_migrations,
+            stall_timeout=args.stall_timeout, max_body_bytes=args.max_body_bytes)
+    except ValueError as exc:
+        print(f"failover router: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level, process="router")
+    try:
+        return asyncio.run(_serve(config, args))
+    except (TokenFileError, OSError) as exc:
+        print(f"failover router: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _serve(config: RouterConfig, args: argparse.Namespace) -> int:
+    router = Router(config, launcher=None)
+    (first, url), *rest = args.backend
+    router.add_instance(args.service, first, url, "primary")
+    for name, url in rest + args.standby:
+        router.add_instance(args.service, name, url, "standby")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await router.start()
+    print(f"failover router listening on {router.url}", file=sys.stderr, flush=True)
+    await stop.wait()
+    log.info("router_stopping")
+    await router.stop()
+    return 0

@@ -1,0 +1,54 @@
+"""Router configuration: one frozen dataclass, validated where it is built.
+
+The CLI (``router/cli.py``) and the supervisor each build their own copy; no router module reads
+the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    host: str = "127.0.0.1"  # loopback by default: the admin API rides on the same listener
+    port: int = 8000  # 0 picks a free port; Router.port tells which
+    admin_token_file: Path | None = None  # None disables /admin/ (403 with a hint)
+    probe_path: str = "/ready"
+    probe_interval: float = 0.1  # a new probe every interval, even while older ones are pending
+    probe_timeout: float = 0.25
+    failure_threshold: int = 2  # consecutive failures (probes and passive observations) -> failed
+    queue_size: int = 256  # requests that may wait per service while no primary is ready
+    queue_deadline: float = 10.0  # how long one of them waits before 503 + Retry-After
+    max_retries: int = 4  # re-sends of a request that sent no byte to the client yet
+    max_migrations: int = 3  # re-issues of a stream that already sent tokens
+    max_body_bytes: int = 16 * 1024 * 1024
+    connect_timeout: float = 1.0
+    stall_timeout: float = 30.0  # no upstream chunk for this long mid-stream: the backend failed
+    drain_timeout: float = 30.0  # planned switchover / drain: wait this long for in-flight requests
+    fence_timeout: float = 10.0  # Launcher.fence may take this long before we log and move on
+    shutdown_timeout: float = 5.0  # stop(): in-flight requests get this long to finish
+
+    def __post_init__(self) -> None:
+        positive = ("probe_interval", "probe_timeout", "queue_deadline", "connect_timeout",
+                    "stall_timeout", "drain_timeout", "fence_timeout", "shutdown_timeout")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RouterConfig.{name} must be > 0, not {getattr(self, name)!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"RouterConfig.port must be 0..65535, not {self.port}")
+        if self.failure_threshold < 1:
+            raise ValueError("RouterConfig.failure_threshold must be at least 1")
+        for name in ("queue_size", "max_retries", "max_migrations"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RouterConfig.{name} must be >= 0")
+        if self.max_body_bytes < 1024:
+            raise ValueError("RouterConfig.max_body_bytes must be at least 1024")
+        if not self.probe_path.startswith("/"):
+            raise ValueError(f"RouterConfig.probe_path must start with '/', not {self.probe_path!r}")
+
+    @property
+    def retry_after_s(self) -> int:
+        """Retry-After for a 503: a failover normally completes well within a second."""
+        return max(1, round(self.probe_timeout * self.failure_threshold + self.probe_interval))

@@ -1,0 +1,40 @@
+"""Typed errors at the router's edges."""
+
+from __future__ import annotations
+
+
+class RouterError(Exception):
+    """Base of the router's own errors."""
+
+
+class NoPrimary(RouterError):
+    """No ready primary for the service within the queue deadline (or the queue is full)."""
+
+    def __init__(self, service: str, why: str) -> None:
+        super().__init__(f"service {service!r} has no ready primary: {why}")
+        self.service = service
+        self.why = why
+
+
+class BackendFailed(RouterError):
+    """One upstream attempt failed. ``kind`` says how, which decides what the health side does:
+
+    connect / reset / unavailable: suspicion, an immediate confirm probe;
+    garbage / stall: the backend is failed outright (it answered, but not as an engine does);
+    fenced: the instance was fenced while the request was in flight (already handled).
+    """
+
+    def __init__(self, instance: str, kind: str, detail: str) -> None:
+        super().__init__(f"backend {instance} failed ({kind}): {detail}")
+        self.instance = instance
+        self.kind = kind
+        self.detail = detail
+
+
+class AdminError(RouterError):
+    """An admin request that cannot be done; carries the HTTP status and error type."""
+
+    def __init__(self, status: int, message: str, type_: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type_

@@ -1,0 +1,99 @@
+"""Active health checks: a probe of each watched instance every interval, plus confirm probes.
+
+Probes overlap on purpose: a new one starts every ``probe_interval`` even while older ones wait
+out their ``probe_timeout``, so a hung engine (SIGSTOP: the kernel still accepts connections,
+nothing answers) is declared failed ``failure_threshold`` probes after it hung, about
+timeout + (threshold - 1) x interval, not threshold x (timeout + interval).
+
+The monitor only observes; it reports each verdict to ``on_result`` (the router decides).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+
+import aiohttp
+import structlog
+
+from router import states
+from router.backend import Instance
+from router.config import RouterConfig
+
+log = structlog.get_logger(__name__)
+
+# on_result(instance, generation, ok, why, latency_s)
+ResultFn = Callable[[Instance, int, bool, str, float], None]
+
+
+class HealthMonitor:
+    def __init__(self, config: RouterConfig, on_result: ResultFn) -> None:
+        self.config = config
+        self.on_result = on_result
+        self._loops: dict[Instance, asyncio.Task] = {}
+        self._probes: set[asyncio.Task] = set()
+        self._pending: dict[Instance, int] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._max_pending = math.ceil(config.probe_timeout / config.probe_interval) + 1
+
+    def watch(self, inst: Instance) -> None:
+        """Start (or keep) probing ``inst``; the loop ends by itself when the role is not watched."""
+        task = self._loops.get(inst)
+        if task is not None and not task.done():
+            return
+        self._loops[inst] = asyncio.get_running_loop().create_task(
+            self._loop(inst), name=f"probe-loop-{inst.name}")
+
+    def confirm(self, inst: Instance) -> None:
+        """Probe now (a proxied request just failed on ``inst``)."""
+        self._spawn(inst)
+
+    async def stop(self) -> None:
+        tasks = [*self._loops.values(), *self._probes]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._loops.clear()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _loop(self, inst: Instance) -> None:
+        generation = inst.generation
+        while inst.generation == generation and inst.role in states.WATCHED and not inst.fenced:
+            if self._pending.get(inst, 0) < self._max_pending:
+                self._spawn(inst)
+            await asyncio.sleep(self.config.probe_interval)
+
+    def _spawn(self, inst: Instance) -> None:
+        self._pending[inst] = self._pending.get(inst, 0) + 1
+        task = asyncio.get_running_loop().create_task(self._probe(inst), name=f"probe-{inst.name}")
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, inst: Instance) -> None:
+        generation = inst.generation
+        t0 = time.monotonic()
+        ok, why = False, ""
+        try:
+            async with asyncio.timeout(self.config.probe_timeout):
+                async with self._client().get(inst.url + self.config.probe_path) as resp:
+                    await resp.read()
+                    ok, why = resp.status == 200, f"status {resp.status}"
+        except TimeoutError:
+            why = "timeout"
+        except (aiohttp.ClientError, OSError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._pending[inst] -= 1
+        self.on_result(inst, generation, ok, why, time.monotonic() - t0)
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            # Probes never share a pool with proxied requests: a busy pool must not delay them.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.probe_timeout))
+        return self._session

@@ -1,0 +1,56 @@
+"""What the router asks of whoever started the engines (the supervisor), and a null one.
+
+The router never spawns or signals a process itself: it decides, the launcher acts. Every method
+is awaited in the router's event loop as a background task, so a slow launcher delays nothing on
+the request path; each call is bounded by ``RouterConfig.fence_timeout`` and its errors are logged.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+@runtime_checkable
+class Launcher(Protocol):
+    async def request_standby(self, service: str) -> None:
+        """A standby of ``service`` was used up (promoted, or it died): start a replacement.
+
+        The launcher registers it when it is ready with ``Router.add_instance(service, name, url,
+        "standby", pid)``, under a new name or under the failed instance's name (which is then
+        re-registered: its role goes relaunching -> standby).
+        """
+
+    async def fence(self, name: str) -> None:
+        """Stop instance ``name`` for good: SIGTERM, SIGKILL if it does not go within a deadline.
+
+        Called after the router stopped routing to it and aborted its in-flight requests, so a
+        half-alive engine can never answer a client again.
+        """
+
+    async def preempt(self, service: str) -> None:
+        """Co-serving: evict the engines of ``service`` (the router already stopped routing)."""
+
+    async def resume(self, service: str) -> None:
+        """Co-serving: bring ``service`` back; its instances are standbys until a probe says ready."""
+
+
+class NullLauncher:
+    """Standalone router: it did not start the engines, so fencing only means never routing again."""
+
+    async def request_standby(self, service: str) -> None:
+        log.warning("no_launcher", action="request_standby", service=service,
+                    hint="standalone router: start a new standby and restart the router with it")
+
+    async def fence(self, name: str) -> None:
+        log.warning("no_launcher", action="fence", instance=name,
+                    hint="standalone router: the instance is no longer routed to; stop it yourself")
+
+    async def preempt(self, service: str) -> None:
+        log.info("no_launcher", action="preempt", service=service)
+
+    async def resume(self, service: str) -> None:
+        log.info("no_launcher", action="resume", service=service)

@@ -1,0 +1,299 @@
+"""Failure verdicts and what follows them: fencing, promotion, planned switchover, drain.
+
+The switch itself is synchronous (no await between "the old primary is out" and "the standby is
+in"), so in an asyncio process it is atomic: a request sees the old primary or the new one, never
+a half-state. Everything slow (Launcher.fence, Launcher.request_standby, closing the old pool) runs
+afterwards in background tasks.
+
+Blackout of an unplanned failover = first good response (or stream chunk) of the new primary minus
+the last good one of the old, so it is meaningful under load; it is observed once per failover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import structlog
+
+from router import states
+from router.backend import Instance, Service
+from router.config import RouterConfig
+from router.errors import AdminError
+from router.launcher import Launcher
+from router.metrics import Metrics
+
+log = structlog.get_logger(__name__)
+
+# Passive failure kinds that fail a backend outright: it answered, but not as an engine does.
+FATAL_KINDS = frozenset({"garbage", "stall"})
+# Kinds that make it suspect and trigger a confirm probe.
+SUSPECT_KINDS = frozenset({"connect", "reset", "unavailable"})
+
+
+@dataclass(slots=True)
+class PendingFailover:
+    old: str
+    reason: str
+    last_ok: float  # monotonic: last good response of the old primary
+    detected: float
+    switched: float | None = None
+    new: str | None = None
+
+
+class Promoter:
+    def __init__(self, config: RouterConfig, services: dict[str, Service], launcher: Launcher,
+                 relaunches: bool, metrics: Metrics, confirm: Callable[[Instance], None]) -> None:
+        self.config = config
+        self.services = services
+        self.launcher = launcher
+        self.relaunches = relaunches  # False: standalone, a fenced instance is stopped for good
+        self.metrics = metrics
+        self.confirm = confirm
+        self.pending: dict[str, PendingFailover] = {}
+        self.last_failover: dict[str, dict] = {}
+        self.tasks: set[asyncio.Task] = set()
+
+    # -- role bookkeeping ---------------------------------------------------------------------
+    def set_role(self, inst: Instance, new: str, reason: str, **timings: float) -> None:
+        states.change_role(inst, new, reason, **timings)
+        self.metrics.set_role(inst.service, inst.name, new)
+
+    def set_ready(self, inst: Instance, ready: bool, why: str) -> None:
+        if inst.ready != ready:
+            inst.ready = ready
+            self.metrics.set_up(inst.service, inst.name, ready)
+            log.info("instance_ready" if ready else "instance_unready", service=inst.service,
+                     instance=inst.name, role=inst.role, why=why)
+
+    def spawn(self, coro: Awaitable, name: str) -> None:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # -- verdicts -----------------------------------------------------------------------------
+    def on_probe(self, inst: Instance, generation: int, ok: bool, why: str, latency: float) -> None:
+        if inst.generation != generation or inst.fenced:
+            return
+        service = self.services[inst.service]
+        if ok:
+            inst.probe_latency = latency
+            inst.failures = 0
+            inst.suspect = False
+            self.set_ready(inst, True, why)
+            service.refresh()
+            if service.primary is None and inst.role == states.STANDBY:
+                self.promote_best(service, "standby_ready")
+            return
+        self._count_failure(inst, "probe", why)
+        if inst.suspect and not inst.fenced:
+            self.confirm(inst)  # keep confirming until the suspicion is settled either way
+
+    def passive_failure(self, inst: Instance, generation: int, kind: str, detail: str) -> None:
+        """A proxied request failed on ``inst`` (see errors.BackendFailed for the kinds)."""
+        if inst.generation != generation or inst.fenced or inst.role not in states.WATCHED:
+            return
+        log.warning("backend_failed_request", service=inst.service, instance=inst.name, kind=kind,
+                    detail=detail)
+        if kind in FATAL_KINDS:
+            self.fail(inst, kind)
+        elif kind in SUSPECT_KINDS:
+            self._count_failure(inst, kind, detail)
+            if not inst.fenced:
+                inst.suspect = True
+                self.services[inst.service].refresh()
+                self.confirm(inst)
+
+    def _count_failure(self, inst: Instance, kind: str, why: str) -> None:
+        inst.failures += 1
+        if inst.failures < self.config.failure_threshold:
+            return
+        if inst.role in (states.PRIMARY, states.DRAINING):
+            self.fail(inst, kind)
+        else:  # a standby that does not answer is not promoted; it may come back by itself
+            self.set_ready(inst, False, f"{kind}: {why}")
+            inst.suspect = False
+
+    def instance_exited(self, inst: Instance, returncode: int | None) -> None:
+        inst.pid = None
+        if inst.fenced or inst.role not in states.WATCHED:
+            log.info("instance_exit_expected", service=inst.service, instance=inst.name,
+                     role=inst.role, returncode=returncode)
+            return
+        self.fail(inst, "exited", launcher_fence=False)
+
+    # -- unplanned failover -------------------------------------------------------------------
+    def fail(self, inst: Instance, reason: str, *, launcher_fence: bool = True) -> None:
+        """``inst`` failed: fence it, switch the service to its best standby, ask for a new one."""
+        if inst.fenced:
+            return
+        service = self.services[inst.service]
+        now = time.monotonic()
+        was_primary = service.primary is inst
+        inst.fenced = True
+        aborted = inst.abort_inflight()
+        self.set_ready(inst, False, reason)
+        self.set_role(inst, states.RELAUNCHING if self.relaunches else states.STOPPED, f"failed: {reason}",
+                      aborted=aborted)
+        if was_primary:
+            service.primary = None
+            self.pending[service.name] = PendingFailover(inst.name, reason, inst.last_ok or now, now)
+            self.metrics.failovers.labels(service.name, reason).inc()
+            self.promote_best(service, reason)
+        service.refresh()
+        self.spawn(self._fence_and_replace(inst, launcher_fence), f"fence-{inst.name}")
+
+    async def _fence_and_replace(self, inst: Instance, launcher_fence: bool) -> None:
+        # Fence first, replace second: the replacement may need the memory the old one held.
+        await inst.close_session()  # its requests were aborted in fail(); drop the pool
+        if launcher_fence:
+            await self._bounded(self.launcher.fence(inst.name), "fence", inst.name)
+        if self.relaunches:
+            await self._bounded(self.launcher.request_standby(inst.service), "request_standby", inst.service)
+
+    async def _bounded(self, coro: Awaitable, action: str, target: str) -> None:
+        try:
+            async with asyncio.timeout(self.config.fence_timeout):
+                await coro
+        except TimeoutError:
+            log.error("launcher_timeout", action=action, target=target, timeout_s=self.config.fence_timeout)
+        except Exception as exc:  # noqa: BLE001 - a launcher bug must not take the router down
+            log.error("launcher_failed", action=action, target=target, error=repr(exc))
+
+    def best_standby(self, service: Service, exclude: Instance | None = None) -> Instance | None:
+        ready = [i for i in service.standbys() if i.ready and not i.suspect and not i.fenced and i is not exclude]
+        if not ready:
+            return None
+        # Healthiest: fewest recent failures, then the quickest probe answer.
+        return min(ready, key=lambda i: (i.failures, i.probe_latency or 0.0))
+
+    def promote_best(self, service: Service, reason: str) -> Instance | None:
+        new = self.best_standby(service)
+        if new is None:
+            log.error("no_ready_standby", service=service.name, reason=reason,
+                      hint="requests wait up to the queue deadline for a standby to become ready")
+            return None
+        self._switch(service, new, reason)
+        return new
+
+    def _switch(self, service: Service, new: Instance, reason: str) -> None:
+        now = time.monotonic()
+        pending = self.pending.get(service.name)
+        timings = {}
+        if pending is not None and pending.switched is None:
+            pending.switched, pending.new = now, new.name
+            timings = {"detect_ms": (pending.detected - pending.last_ok) * 1e3,
+                       "switch_ms": (now - pending.detected) * 1e3}
+        self.set_role(new, states.PRIMARY, f"promoted: {reason}", **timings)
+        service.primary = new
+        service.refresh()
+
+    def note_ok(self, inst: Instance) -> None:
+        """A good response or chunk came from ``inst`` (hot path: cheap unless a failover is open)."""
+        inst.last_ok = now = time.monotonic()
+        if not self.pending:
+            return
+        pending = self.pending.get(inst.service)
+        if pending is None or pending.new != inst.name:
+            return
+        del self.pending[inst.service]
+        blackout = now - pending.last_ok
+        self.metrics.blackout.labels(inst.service).observe(blackout)
+        self.last_failover[inst.service] = record = {
+            "old": pending.old, "new": inst.name, "reason": pending.reason,
+            "detect_ms": round((pending.detected - pending.last_ok) * 1e3, 2),
+            "switch_ms": round((pending.switched - pending.detected) * 1e3, 2),
+            "blackout_ms": round(blackout * 1e3, 2), "at": time.time()}
+        log.info("failover_complete", service=inst.service, **record)
+
+    # -- planned operations -------------------------------------------------------------------
+    async def switchover(self, service: Service, to: str | None) -> dict:
+        """Planned promotion: switch first (no blackout), then let the old primary drain."""
+        async with service.lock:
+            old = service.primary
+            new = self._pick_target(service, to)
+            t0 = time.monotonic()
+            if old is not None:
+                self.set_role(old, states.DRAINING, "planned switchover")
+            self._switch(service, new, "planned")
+            self.metrics.failovers.labels(service.name, "planned").inc()
+            drained = True
+            if old is not None:
+                drained = await self._wait_idle(old)
+                if old.role == states.DRAINING and not old.fenced:
+                    self.set_role(old, states.STANDBY, "switchover done", drain_ms=(time.monotonic() - t0) * 1e3)
+            return {"service": service.name, "primary": new.name,
+                    "previous": old.name if old else None, "drained": drained}
+
+    def _pick_target(self, service: Service, to: str | None) -> Instance:
+        if to is None:
+            new = self.best_standby(service)
+            if new is None:
+                raise AdminError(409, f"service {service.name!r} has no ready standby to promote", "no_standby")
+            return new
+        new = service.instances.get(to)
+        if new is None:
+            raise AdminError(404, f"unknown instance {to!r} in service {service.name!r}; "
+                             f"known: {sorted(service.instances)}", "not_found")
+        if new.role != states.STANDBY or not new.ready or new.fenced:
+            raise AdminError(409, f"instance {to!r} is {new.role} and {'ready' if new.ready else 'not ready'}; "
+                             "only a ready standby can be promoted", "not_ready")
+        return new
+
+    async def drain(self, inst: Instance, timeout: float | None) -> dict:
+        """Stop routing to ``inst`` (switching away first if it is the primary), wait, then stop it."""
+        service = self.services[inst.service]
+        async with service.lock:
+            t0 = time.monotonic()
+            if inst.role == states.PRIMARY:
+                new = self.best_standby(service, exclude=inst)
+                if new is None:
+                    raise AdminError(409, f"{inst.name} is the primary of {service.name!r} and no ready "
+                                     "standby can take over; add one or promote first", "no_standby")
+                self.set_role(inst, states.DRAINING, "drain")
+                self._switch(service, new, "drain")
+                self.metrics.failovers.labels(service.name, "planned").inc()
+            elif inst.role == states.STANDBY:
+                self.set_role(inst, states.DRAINING, "drain")
+            elif inst.role != states.DRAINING:
+                raise AdminError(409, f"{inst.name} is {inst.role}; only a primary or standby can be drained",
+                                 "bad_state")
+            drained = await self._wait_idle(inst, timeout)
+            if inst.role == states.DRAINING:
+                self.set_role(inst, states.STOPPED, "drained", drain_ms=(time.monotonic() - t0) * 1e3)
+            return {"instance": inst.name, "role": inst.role, "drained": drained, "inflight": inst.inflight}
+
+    async def _wait_idle(self, inst: Instance, timeout: float | None = None) -> bool:
+        try:
+            async with asyncio.timeout(timeout if timeout is not None else self.config.drain_timeout):
+                await inst.idle.wait()
+            return True
+        except TimeoutError:
+            log.warning("drain_timeout", instance=inst.name, inflight=inst.inflight)
+            return False
+
+    async def preempt(self, service: Service) -> dict:
+        async with service.lock:
+            for inst in service.instances.values():
+                if inst.role in (states.PRIMARY, states.STANDBY, states.DRAINING):
+                    self.set_role(inst, states.PREEMPTED, "preempt")
+                    self.set_ready(inst, False, "preempted")
+            service.primary = None
+            service.refresh()
+            await self._bounded(self.launcher.preempt(service.name), "preempt", service.name)
+            return {"service": service.name, "preempted": True}
+
+    async def resume(self, service: Service, watch: Callable[[Instance], None]) -> dict:
+        async with service.lock:
+            await self._bounded(self.launcher.resume(service.name), "resume", service.name)
+            for inst in service.instances.values():
+                if inst.role == states.PREEMPTED:
+                    inst.generation += 1
+                    inst.fenced = inst.suspect = False
+                    inst.failures = 0
+                    self.set_role(inst, states.STANDBY, "resume")
+                    watch(inst)  # the first ready probe promotes one of them
+            return {"service": service.name, "preempted": False}

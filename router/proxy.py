@@ -1,0 +1,228 @@
+"""The request path: pick the service, wait for its primary, forward, retry or migrate.
+
+A request that has sent no byte to the client is simply re-sent (to whichever instance is primary
+by then); a stream that has is migrated (router/stream.py). Non-streaming responses are read whole
+before the client sees a byte, so they are always retryable. Every failed attempt is reported to
+the promoter, which decides whether the backend is suspect or failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import msgspec
+import structlog
+from aiohttp import web
+from multidict import CIMultiDict
+
+from router.backend import Instance, Service
+from router.config import RouterConfig
+from router.errors import BackendFailed, NoPrimary
+from router.metrics import Metrics
+from router.promotion import Promoter
+from router.stream import MIGRATABLE_PATHS, ClientGone, StreamRelay
+
+log = structlog.get_logger(__name__)
+
+_decode = msgspec.json.Decoder().decode
+
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+                        "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+                        "accept-encoding"})
+RESPONSE_DROP = HOP_BY_HOP | {"server", "date", "content-encoding"}
+# The engine says "not now" (starting, draining, overloaded): try the next primary.
+RETRY_STATUS = frozenset({502, 503, 504})
+
+
+def error_body(message: str, type_: str, code: int) -> dict:
+    return {"error": {"message": message, "type": type_, "code": code}}
+
+
+class Proxy:
+    def __init__(self, config: RouterConfig, services: dict[str, Service], promoter: Promoter,
+                 metrics: Metrics) -> None:
+        self.config = config
+        self.services = services
+        self.promoter = promoter
+        self.metrics = metrics
+
+    def pick(self, model: object) -> Service | None:
+        """The service named by the request's ``model``, else the first service."""
+        if isinstance(model, str) and model in self.services:
+            return self.services[model]
+        return next(iter(self.services.values()), None)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.monotonic()
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._error(None, 413, f"request body over {self.config.max_body_bytes} bytes",
+                               "request_too_large")
+        payload = _parse(body)
+        service = self.pick(payload.get("model") if payload else None)
+        if service is None:
+            return self._error(None, 503, "no service is configured", "service_unavailable")
+        relay = StreamRelay(payload, request) if payload and payload.get("stream") is True else None
+        try:
+            return await self._serve(request, service, body, relay, t0)
+        except ClientGone:
+            log.info("client_gone", service=service.name, path=request.path)
+            self.metrics.requests.labels(service.name, "client_gone").inc()
+            assert relay is not None and relay.response is not None
+            return relay.response
+
+    async def _serve(self, request: web.Request, service: Service, body: bytes,
+                     relay: StreamRelay | None, t0: float) -> web.StreamResponse:
+        headers = _forward_headers(request.headers)
+        retries = migrations = 0
+        while True:
+            try:
+                inst = await service.acquire(time.monotonic() + self.config.queue_deadline)
+            except NoPrimary as exc:
+                return await self._no_primary(service, relay, exc)
+            generation = inst.generation
+            send = relay.resume_body() if relay is not None and relay.segment > 0 else body
+            inst.begin()
+            try:
+                return await self._attempt(request, service, inst, send, headers, relay, t0)
+            except BackendFailed as exc:
+                failure = exc
+                self.promoter.passive_failure(inst, generation, exc.kind, exc.detail)
+            finally:
+                inst.end()
+            if relay is not None and relay.started:
+                if relay.finished:  # every token and the finish_reason are out: just close it
+                    await relay.finish()
+                    self._count(service, 200, relay.first_byte_at, t0)
+                    return relay.response
+                if not relay.can_migrate or migrations >= self.config.max_migrations:
+                    why = "not migratable (no token_ids)" if not relay.can_migrate else "too many migrations"
+                    await relay.fail(f"upstream failed mid-stream and the stream is {why}: {failure}")
+                    self.metrics.requests.labels(service.name, "stream_error").inc()
+                    return relay.response
+                migrations += 1
+                relay.next_segment()
+                self.metrics.migrations.labels(service.name).inc()
+                log.info("stream_migrating", service=service.name, failed=inst.name,
+                         tokens_sent=len(relay.tokens), migration=migrations)
+            else:
+                if retries >= self.config.max_retries:
+                    return self._error(service, 502, f"every attempt failed; last: {failure}", "bad_gateway")
+                retries += 1
+                self.metrics.retries.labels(service.name).inc()
+
+    async def _attempt(self, request: web.Request, service: Service, inst: Instance, body: bytes,
+                       headers: CIMultiDict, relay: StreamRelay | None, t0: float) -> web.StreamResponse:
+        session = inst.session(self.config.connect_timeout)
+        guard = asyncio.timeout(None)  # fired by Instance.abort_inflight when inst is fenced
+        inst.guards.add(guard)
+        try:
+            async with guard, session.request(request.method, inst.url + request.path_qs,
+                                              data=body or None, headers=headers) as up:
+                if up.status in RETRY_STATUS:
+                    raise BackendFailed(inst.name, "unavailable", f"answered {up.status}")
+                if relay is not None and up.status == 200 and up.content_type == "text/event-stream":
+                    return await self._relay(service, inst, up, relay, t0)
+                data = await up.read()
+                if relay is not None and relay.started:
+                    raise BackendFailed(inst.name, "rejected",
+                                        f"resumed stream answered {up.status}: {data[:200]!r}")
+                if up.status == 200 and request.path in MIGRATABLE_PATHS and not _is_json_object(data):
+                    raise BackendFailed(inst.name, "garbage", f"200 with a non-JSON body: {data[:80]!r}")
+        except (BackendFailed, ClientGone):
+            raise
+        except TimeoutError as exc:  # before OSError, of which it is a subclass
+            if guard.expired():
+                raise BackendFailed(inst.name, "fenced", "aborted: the instance was fenced") from exc
+            kind = "connect" if isinstance(exc, aiohttp.ConnectionTimeoutError) else "reset"
+            raise BackendFailed(inst.name, kind, f"timeout: {exc!r}") from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise BackendFailed(inst.name, "connect", str(exc)) from exc
+        except aiohttp.ClientResponseError as exc:  # not HTTP: bad status line, bad headers
+            raise BackendFailed(inst.name, "garbage", f"{type(exc).__name__}: {exc.message}") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise BackendFailed(inst.name, "reset", f"{type(exc).__name__}: {exc}") from exc
+        except RuntimeError as exc:  # "Session is closed": fenced while we were about to send
+            if not inst.fenced:
+                raise
+            raise BackendFailed(inst.name, "fenced", str(exc)) from exc
+        finally:
+            inst.guards.discard(guard)
+        if up.status < 400:
+            self.promoter.note_ok(inst)
+        out = CIMultiDict((k, v) for k, v in up.headers.items() if k.lower() not in RESPONSE_DROP)
+        out["X-Failover-Instance"] = inst.name
+        self._count(service, up.status, time.monotonic(), t0)
+        return web.Response(status=up.status, body=data, headers=out)
+
+    async def _relay(self, service: Service, inst: Instance, up: aiohttp.ClientResponse,
+                     relay: StreamRelay, t0: float) -> web.StreamResponse:
+        buf = b""
+        while True:
+            try:
+                async with asyncio.timeout(self.config.stall_timeout):
+                    chunk = await up.content.readany()
+            except TimeoutError as exc:
+                raise BackendFailed(inst.name, "stall",
+                                    f"no stream chunk within {self.config.stall_timeout}s") from exc
+            if not chunk:
+                break
+            buf += chunk
+            if b"\r" in chunk:
+                buf = buf.replace(b"\r\n", b"\n")
+            while (end := buf.find(b"\n\n")) >= 0:
+                event, buf = buf[:end], buf[end + 2:]
+                done = await relay.forward(event, inst.name)
+                self.promoter.note_ok(inst)
+                if done:
+                    await relay.finish()
+                    self._count(service, 200, relay.first_byte_at, t0)
+                    return relay.response
+        raise BackendFailed(inst.name, "reset", "stream ended before [DONE]")
+
+    async def _no_primary(self, service: Service, relay: StreamRelay | None, exc: NoPrimary) -> web.StreamResponse:
+        log.warning("no_primary", service=service.name, why=exc.why)
+        if relay is not None and relay.started:
+            await relay.fail(str(exc))
+            self.metrics.requests.labels(service.name, "stream_error").inc()
+            return relay.response
+        resp = self._error(service, 503, f"{exc}; retry shortly", "service_unavailable")
+        resp.headers["Retry-After"] = str(self.config.retry_after_s)
+        return resp
+
+    def _error(self, service: Service | None, status: int, message: str, type_: str) -> web.Response:
+        label = service.name if service is not None else "-"
+        self.metrics.requests.labels(label, str(status)).inc()
+        return web.json_response(error_body(message, type_, status), status=status)
+
+    def _count(self, service: Service, status: int, first_byte_at: float | None, t0: float) -> None:
+        self.metrics.requests.labels(service.name, str(status)).inc()
+        if first_byte_at is not None:
+            self.metrics.latency.labels(service.name).observe(first_byte_at - t0)
+
+
+def _parse(body: bytes) -> dict | None:
+    """The JSON object of a request, or None (malformed bodies go to the engine unchanged)."""
+    if not body or body[:1] not in (b"{", b" ", b"\n", b"\t", b"\r"):
+        return None
+    try:
+        obj = _decode(body)
+    except msgspec.DecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _is_json_object(data: bytes) -> bool:
+    try:
+        return isinstance(_decode(data), dict)
+    except msgspec.DecodeError:
+        return False
+
+
+def _forward_headers(headers) -> CIMultiDict:
+    out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP)
+    out["Accept-Encoding"] = "identity"  # we parse streams; the client link may compress later
+    return out
