@@ -82,7 +82,7 @@ def spec_for(gib: float, min_tensors: int, dtype: str) -> TinySpec:
                     dtype=dtype, max_positions=4096)
 
 
-def write_model(out: Path, spec: TinySpec) -> tuple[int, int]:
+def write_model(out: Path, spec: TinySpec, device: str) -> tuple[int, int]:
     """Write config.json and random tensors in ~2 GiB files with an index; (bytes, tensors)."""
     import torch
     from safetensors.torch import save_file
@@ -100,10 +100,11 @@ def write_model(out: Path, spec: TinySpec) -> tuple[int, int]:
     if current:
         groups.append(current)
     weight_map, total = {}, 0
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)  # random numbers on the GPU when there is one: fast
     for i, group in enumerate(groups):
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        tensors = {n: torch.empty(s, dtype=dtype).uniform_(-0.05, 0.05, generator=gen) for n, s in group.items()}
+        tensors = {n: torch.empty(s, dtype=dtype, device=device).uniform_(-0.05, 0.05, generator=gen).cpu()
+                   for n, s in group.items()}
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map |= {n: fname for n in group}
@@ -178,7 +179,7 @@ def main() -> int:
             nbytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
             ntensors = len(tensor_shapes(spec))
         else:
-            nbytes, ntensors = write_model(model, spec)
+            nbytes, ntensors = write_model(model, spec, a.device)
         print(f"# checkpoint: {nbytes / 2**30:.2f} GiB, {ntensors} tensors, {a.dtype}, {spec.layers} layers "
               f"(hidden {spec.hidden}, intermediate {spec.intermediate}); written in {time.perf_counter() - t0:.1f} s")
 
