@@ -94,3 +94,20 @@ def test_crash_loop_marks_the_service_failed(procs, tiny_model, run_dir):
         wait_until(n.serving_pair, 30, "the standby back after resume")
     finally:
         n.stop()
+
+
+def test_demo_exits_0_and_its_figures_parse():
+    import re
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "failover", "demo", "--warmup", "1", "--after", "0.5"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    figures = dict(re.findall(r"^([a-z_]+)=(\S+)$", res.stdout, re.M))
+    for key in ("blackout_ms", "detect_ms", "switch_ms", "exit_seen_ms", "relaunch_ms"):
+        assert float(figures[key]) >= 0, key
+    assert int(figures["requests"]) > 0 and int(figures["failed"]) == 0
+    assert figures["relaunch_weights_source"] == "cache" and figures["relaunch_launch"] == "zygote"
+    assert figures["leftover_processes"] == "0" and figures["leftover_run_dir"] == "0"
+    assert "kill -9" in res.stdout
