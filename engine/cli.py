@@ -19,7 +19,13 @@ from pathlib import Path
 import structlog
 
 from cache_daemon.logs import configure_logging
+from cache_daemon.settings import SOCKET_NAME, default_run_dir
 from engine.config import DTYPES, TRANSFORMS, WEIGHT_SOURCES, ConfigError, EngineConfig, ModelConfig
+from engine.distributed import free_port
+# Imported here, not in main(): a zygote that imports engine.cli then pays for torch, aiohttp and the
+# model code once, before it forks. Importing them starts no thread, event loop or CUDA context.
+from engine.serve import serve
+from engine.worker import run_worker
 
 log = structlog.get_logger(__name__)
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -39,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=WEIGHT_SOURCES, default="auto",
                    help="cache: map from the daemon or fail; disk: read safetensors; auto: cache when "
                         "the daemon socket exists, else disk")
-    p.add_argument("--socket", type=Path, default=None, help="the cache daemon's socket (RUN_DIR/daemon.sock)")
+    p.add_argument("--socket", type=Path, default=None,
+                   help=f"the cache daemon's socket (default: {default_run_dir() / SOCKET_NAME})")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (ranks 1.. run as child processes)")
@@ -73,11 +80,9 @@ def resolve_dtype(model: Path, dtype: str) -> str:
 
 
 def make_config(args: argparse.Namespace) -> EngineConfig:
-    from engine.distributed import free_port
-
     dist_init = args.dist_init or (f"tcp://127.0.0.1:{free_port()}" if args.tp > 1 else "")
     return EngineConfig(
-        model=args.model, weights=args.weights, socket=args.socket, host=args.host, port=args.port,
+        model=args.model, weights=args.weights, socket=args.socket or default_run_dir() / SOCKET_NAME, host=args.host, port=args.port,
         tp=args.tp, tp_rank=args.tp_rank, dist_init=dist_init, device=args.device,
         dtype=resolve_dtype(args.model, args.dtype), transform=args.transform, kv_memory=args.kv_memory,
         max_batch=args.max_batch, max_model_len=args.max_model_len, served_model_name=args.served_model_name,
@@ -100,14 +105,9 @@ def main(argv: list[str]) -> int:
     process = "engine" if cfg.tp_rank == 0 else f"engine-rank{cfg.tp_rank}"
     configure_logging(args.log_level, process=process)
     if cfg.tp_rank > 0:
-        from engine.worker import run_worker
-
         return run_worker(cfg, model_cfg)
-    from engine.serve import serve
-
-    worker_argv = [a for a in argv]  # ranks > 0 get the same options plus their rank
-    try:
-        return asyncio.run(serve(cfg, model_cfg, worker_argv))
+    try:  # ranks > 0 get the same options plus their rank
+        return asyncio.run(serve(cfg, model_cfg, list(argv)))
     except KeyboardInterrupt:
         return 1
 

@@ -117,7 +117,8 @@ def wait_engine_ready(proc: subprocess.Popen, port: int, timeout: float = READY_
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"engine exited {proc.returncode}: {engine_log(proc)[-3000:]}")
+            log = engine_log(proc)[-3000:] if hasattr(proc, "log_path") else ""
+            raise AssertionError(f"engine exited {proc.returncode}: {log}")
         status, body = get(port, "/ready")
         if status == 200:
             return body

@@ -83,11 +83,6 @@ def test_cache_without_a_daemon_is_an_error_exit(tiny_model, procs, run_dir):
     assert "no cache daemon" in engine_log(proc)
 
 
-def test_cache_needs_a_socket(tiny_model, procs):
-    proc = start_engine(procs, tiny_model, free_port(), "--weights", "cache", wait=False)
-    assert proc.wait(30) == 2 and "--socket" in engine_log(proc)
-
-
 def test_a_different_build_is_an_error_not_a_reload(daemon, tiny_model, procs):
     proc = start_engine(procs, tiny_model, free_port(), "--weights", "auto", "--socket", str(daemon),
                         "--dtype", "bfloat16", wait=False)

@@ -225,3 +225,28 @@ def test_bad_usage_and_bind_failure_exit_codes(tiny_model, procs, server):
     taken = start_engine(procs, tiny_model, server, "--weights", "disk", wait=False)
     assert taken.wait(30) == 1 and "cannot listen" in engine_log(taken)
 
+
+
+FORK_SCRIPT = """
+import os, signal, sys, threading
+import torch, engine.cli
+assert threading.active_count() == 1, threading.enumerate()
+assert not torch.cuda.is_initialized()
+pid = os.fork()
+if pid == 0:
+    os._exit(engine.cli.main(sys.argv[1:]))
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM is for the engine; report its code
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_main_runs_in_a_forked_child_of_a_process_that_imported_engine(tiny_model, procs):
+    port = free_port()
+    proc = procs.python("-c", FORK_SCRIPT, "--model", str(tiny_model), "--port", str(port), "--weights", "disk",
+                        "--served-model-name", MODEL)
+    wait_engine_ready(proc, port)
+    status, text = post(port, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3})
+    assert status == 200, text
+    procs.stop_all()
+    assert proc.returncode == 0

@@ -1,0 +1,303 @@
+"""Benchmark of the reference engine: time-to-ready with weights mapped from the cache daemon vs read
+from disk, and decode throughput against transformers' ``generate`` on the same model and machine.
+
+    python3 bench/engine.py                      # CPU, a >= 1 GiB fp32 checkpoint
+    python3 bench/engine.py --device cuda --size-gib 8 --dtype bfloat16
+
+Time-to-ready is measured from spawning ``failover engine`` to the first 200 from ``/ready`` (so it
+includes the interpreter and ``import torch``, which the supervisor's zygote removes); the engine's
+own ``weights_seconds`` and ``startup_seconds`` (from its /ready body) are printed beside it. Disk
+runs are measured warm (checkpoint in the page cache) and cold (pages dropped with
+``posix_fadvise(DONTNEED)`` first). Decode tokens/s are measured in process for both engines as
+``B * (T - 1) / (time(T new tokens) - time(1 new token))``, i.e. without the prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="checkpoint dtype (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--size-gib", type=float, default=1.0, help="checkpoint size to reach (>= 1 for the target)")
+    p.add_argument("--dir", type=Path, default=None, help="checkpoint dir (default: a temp dir, removed after)")
+    p.add_argument("--runs", type=int, default=3, help="time-to-ready runs per source (median reported)")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--skip-ready", action="store_true")
+    p.add_argument("--skip-decode", action="store_true")
+    return p.parse_args(argv)
+
+
+def make_spec(size_gib: float, dtype: str):
+    from failover.tiny_model import TinySpec, tensor_shapes
+
+    base = dict(arch="llama", hidden=1024, heads=16, kv_heads=4, intermediate=2816, vocab=32000,
+                max_positions=1024, dtype=dtype, shards=4)
+    elem = 4 if dtype == "float32" else 2
+    numels = _numels(tensor_shapes(TinySpec(layers=1, **base)))
+    per_layer = sum(v for k, v in numels.items() if ".layers." in k)
+    fixed = sum(v for k, v in numels.items() if ".layers." not in k)
+    layers = max(1, -(-(int(size_gib * (1 << 30)) // elem - fixed) // per_layer))
+    return TinySpec(layers=layers, **base)
+
+
+def _numels(shapes):
+    out = {}
+    for name, shape in shapes.items():
+        n = 1
+        for d in shape:
+            n *= d
+        out[name] = n
+    return out
+
+
+def checkpoint_bytes(model: Path) -> int:
+    return sum(f.stat().st_size for f in model.glob("*.safetensors"))
+
+
+def drop_page_cache(model: Path) -> None:
+    for f in model.glob("*.safetensors"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_ready(port: int):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
+            return json.loads(r.read())
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return None
+
+
+def time_to_ready(model: Path, args, source: str, socket: Path | None, log: Path) -> dict:
+    port = free_port()
+    cmd = [sys.executable, "-m", "failover", "engine", "--model", str(model), "--port", str(port),
+           "--weights", source, "--device", args.device, "--kv-memory", "64M", "--max-batch", "4"]
+    if socket:
+        cmd += ["--socket", str(socket)]
+    with open(log, "ab") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise SystemExit(f"engine exited {proc.returncode}; see {log}")
+                body = get_ready(port)
+                if body and body.get("ready"):
+                    return {"ready_s": time.perf_counter() - start, "weights_s": body["weights_seconds"],
+                            "startup_s": body["startup_seconds"]}
+                time.sleep(0.01)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
+def start_daemon(model: Path, args, run_dir: Path, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "cache_daemon", "--model", str(model), "--run-dir", str(run_dir),
+           "--device", args.device, "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(log, "ab"))
+    start = time.perf_counter()
+    while not (run_dir / "daemon.ready").exists():
+        if proc.poll() is not None:
+            raise SystemExit(f"daemon exited {proc.returncode}; see {log}")
+        time.sleep(0.05)
+    print(f"daemon loaded the checkpoint in {time.perf_counter() - start:.2f} s (once per node)")
+    return proc
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def bench_ready(model: Path, args, work: Path) -> dict:
+    log = work / "bench-engine.log"
+    run_dir = Path(tempfile.mkdtemp(prefix="fo-bench-", dir="/tmp"))
+    os.chmod(run_dir, 0o700)
+    daemon = start_daemon(model, args, run_dir, log)
+    results = {}
+    try:
+        sock = run_dir / "daemon.sock"
+        plans = [("cache", "cache", sock, False), ("disk (warm page cache)", "disk", None, False),
+                 ("disk (cold: pages dropped)", "disk", None, True)]
+        for label, source, socket, cold in plans:
+            runs = []
+            for _ in range(args.runs):
+                if cold:
+                    drop_page_cache(model)
+                runs.append(time_to_ready(model, args, source, socket, log))
+            results[label] = {k: median([r[k] for r in runs]) for k in runs[0]}
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return results
+
+
+def bench_decode(model: Path, args) -> dict:
+    import torch
+    import transformers
+
+    from cache_daemon.checkpoint import load_shards
+    from engine.config import EngineConfig, ModelConfig
+    from engine.llm_engine import LLMEngine
+    from engine.model_runner import ModelRunner
+    from engine.sampling import SamplingParams
+    from engine.scheduler import Sequence
+    from engine.tokenizer import Tokenizer
+
+    dtype = getattr(torch, args.dtype)
+    batches = [int(b) for b in args.batches.split(",")]
+    cfg = EngineConfig(model=model, weights="disk", device=args.device, dtype=args.dtype,
+                       max_batch=max(batches), kv_memory=16 << 30)
+    weights = load_shards(model, dtype=dtype)
+    if args.device == "cuda":
+        weights = {k: v.cuda() for k, v in weights.items()}
+    mcfg = ModelConfig.from_dir(model)
+    runner = ModelRunner(_with_len(cfg, args), mcfg, weights)
+    engine = LLMEngine(runner, Tokenizer(model), ())
+    engine.warmup()
+    gen = torch.Generator().manual_seed(0)
+
+    def prompts(b):
+        return torch.randint(3, 500, (b, args.prompt_len), generator=gen).tolist()
+
+    def ours(b, new):
+        seqs = [Sequence(f"{b}-{new}-{i}", p, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True), 0)
+                for i, p in enumerate(prompts(b))]
+        for s in seqs:
+            engine.add(s)
+        sync()
+        start = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+        sync()
+        return time.perf_counter() - start
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype).to(args.device).eval()
+
+    def theirs(b, new):
+        ids = torch.tensor(prompts(b), device=args.device)
+        sync()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, pad_token_id=0)
+        sync()
+        assert out.shape[1] == args.prompt_len + new
+        return time.perf_counter() - start
+
+    def sync():
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    results = {}
+    for b in batches:
+        row = {}
+        for name, fn in (("engine", ours), ("transformers", theirs)):
+            fn(b, 2)  # warm this batch size
+            t_full = median([fn(b, args.new_tokens) for _ in range(2)])
+            t_one = median([fn(b, 1) for _ in range(2)])
+            row[name] = b * (args.new_tokens - 1) / max(t_full - t_one, 1e-9)
+        results[b] = row
+    return results
+
+
+def _with_len(cfg, args):
+    from dataclasses import replace
+
+    return replace(cfg, max_model_len=args.prompt_len + args.new_tokens + 8)
+
+
+def machine(args) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    gpu = f", GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
+    return (f"{platform.node()}: {cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads){gpu}, Python {platform.python_version()}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    from failover.tiny_model import write_checkpoint
+
+    work = args.dir or Path(tempfile.mkdtemp(prefix="fo-bench-engine-"))
+    spec = make_spec(args.size_gib, args.dtype)
+    model = work / "model"
+    if not (model / "config.json").exists():
+        t = time.perf_counter()
+        write_checkpoint(model, spec)
+        print(f"wrote checkpoint in {time.perf_counter() - t:.1f} s")
+    size = checkpoint_bytes(model)
+    print(f"# bench/engine.py  {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}")
+    print(f"machine: {machine(args)}")
+    print(f"model: llama, {spec.layers} layers, hidden {spec.hidden}, vocab {spec.vocab}, {args.dtype}, "
+          f"{size / (1 << 30):.2f} GiB in {spec.shards} files; device {args.device}")
+    try:
+        if not args.skip_ready:
+            ready = bench_ready(model, args, work)
+            print(f"\ntime to ready (median of {args.runs}; spawn -> /ready 200, incl. interpreter + import torch)")
+            for label, r in ready.items():
+                print(f"  {label:<28} ready {r['ready_s']:7.3f} s   weights {r['weights_s']:7.3f} s   "
+                      f"in-process startup {r['startup_s']:7.3f} s")
+            c = ready["cache"]
+            for label in ("disk (warm page cache)", "disk (cold: pages dropped)"):
+                d = ready[label]
+                print(f"  ratio {label} / cache: ready {d['ready_s'] / c['ready_s']:.2f}x, weights "
+                      f"{d['weights_s'] / c['weights_s']:.1f}x, startup {d['startup_s'] / c['startup_s']:.2f}x")
+        if not args.skip_decode:
+            dec = bench_decode(model, args)
+            print(f"\ndecode tokens/s (prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, "
+                  f"prefill excluded)")
+            for b, row in dec.items():
+                print(f"  batch {b:>3}: engine {row['engine']:9.1f}   transformers {row['transformers']:9.1f}   "
+                      f"ratio {row['engine'] / row['transformers']:.2f}x")
+    finally:
+        if args.dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
