@@ -171,6 +171,7 @@ def spawn(name: str, args: list[str], *, on_exit: Callable[[Child], None] | None
     def preexec() -> None:  # runs in the child between fork and exec
         set_pdeathsig(deathsig)
 
+    stderr = stdout if stderr is None else stderr  # a log file given for output takes both streams
     popen = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
                              start_new_session=True, preexec_fn=preexec, close_fds=True,
                              pass_fds=pass_fds)

@@ -1,0 +1,141 @@
+"""Relaunch benchmark: eviction of an engine to its replacement ready as a standby, zygote vs cold spawn.
+
+    python bench/relaunch.py                          # CPU, the tiny model, 5 rounds per path
+    python bench/relaunch.py --device cuda --model /models/Qwen3-8B --dtype bfloat16 --rounds 10
+
+For each launch path it runs a whole node (the same Supervisor as ``failover up``: cache daemon,
+zygote, a primary and a standby, router), then kill -9s the standby ``--rounds`` times and measures
+kill -> the replacement's /ready, as the supervisor saw it. The replacement's /ready reports where
+its weights came from (``weights_source``: cache = mapped from the daemon, not read from disk) and
+how long that took. Prints the machine, the date, one line per round and a summary of key=value lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cache_daemon.logs import configure_logging  # noqa: E402
+from failover.config import parse_config  # noqa: E402
+from failover.demo import free_port_pair  # noqa: E402
+
+
+def machine() -> str:
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return (f"host={platform.node()} cpu=\"{cpu}\" cores={os.cpu_count()} gpu=\"{gpu}\" "
+            f"python={platform.python_version()} torch={torch.__version__} kernel={platform.release()}")
+
+
+def config_for(a: argparse.Namespace, workdir: Path, model: Path, launch: str):
+    router_port, engine_port = free_port_pair(), free_port_pair()
+    while engine_port in (router_port, router_port + 1) or engine_port + 1 == router_port:
+        engine_port = free_port_pair()
+    return parse_config({
+        "run_dir": str(workdir / f"run-{launch}"),
+        "model": {"path": str(model), "dtype": a.dtype, "device": a.device, "tp": a.tp},
+        "router": {"port": router_port, "probe_interval": 0.2},
+        "supervisor": {"launch": launch, "log_level": "warning", "ready_timeout": 600.0,
+                       "crash_loop_exits": 1000, "crash_loop_window": 0.001},  # no backoff between rounds
+        "service": [{"name": "chat", "standbys": 1, "kv_memory": a.kv_memory, "port": engine_port}],
+    }, source=f"bench-{launch}")
+
+
+async def bench_path(a: argparse.Namespace, workdir: Path, model: Path, launch: str) -> list[dict]:
+    from failover.supervisor import Supervisor
+
+    config = config_for(a, workdir, model, launch)
+    log = open(workdir / f"node-{launch}.log", "wb")
+    sup = Supervisor(config, child_output=log)
+    rounds = []
+    try:
+        t0 = time.monotonic()
+        await sup.start()
+        print(f"[{launch}] node up in {time.monotonic() - t0:.2f} s", flush=True)
+        for i in range(a.rounds):
+            await asyncio.sleep(a.pause)
+            standby = sup.router.services["chat"].standbys()[0]
+            slot = sup.slots[standby.name]
+            killed = time.monotonic()
+            os.kill(slot.pid, signal.SIGKILL)
+            while not (slot.state == "running" and slot.ready_at and slot.ready_at > killed):
+                await asyncio.sleep(0.002)
+                if time.monotonic() - killed > 600:
+                    raise TimeoutError(f"{slot.name} was not relaunched within 600 s; see {log.name}")
+            r = {"round": i + 1, "launch": launch, "slot": slot.name,
+                 "relaunch_ms": (slot.ready_at - killed) * 1e3,
+                 "exit_seen_ms": (slot.evicted_at - killed) * 1e3,
+                 "launch_to_ready_ms": (slot.ready_at - slot.launched_at) * 1e3,
+                 "weights_source": slot.ready_info.get("weights_source"),
+                 "weights_ms": 1e3 * float(slot.ready_info.get("weights_seconds") or 0.0)}
+            rounds.append(r)
+            print(f"[{launch}] round {i + 1}: relaunch_ms={r['relaunch_ms']:.1f} (exit seen "
+                  f"{r['exit_seen_ms']:.1f} ms, launch->ready {r['launch_to_ready_ms']:.1f} ms, weights "
+                  f"{r['weights_source']} in {r['weights_ms']:.1f} ms)", flush=True)
+    finally:
+        await sup.stop()
+        log.close()
+    return rounds
+
+
+async def main_async(a: argparse.Namespace, workdir: Path) -> int:
+    from failover.tiny_model import TinySpec, write_checkpoint
+
+    model = Path(a.model) if a.model else write_checkpoint(workdir / "model", TinySpec())
+    results = {launch: await bench_path(a, workdir, model, launch) for launch in a.paths.split(",")}
+    print("\nsummary:")
+    medians = {}
+    for launch, rounds in results.items():
+        ms = [r["relaunch_ms"] for r in rounds]
+        medians[launch] = statistics.median(ms)
+        sources = sorted({r["weights_source"] for r in rounds})
+        print(f"{launch}_relaunch_ms_median={medians[launch]:.1f}")
+        print(f"{launch}_relaunch_ms_min={min(ms):.1f}")
+        print(f"{launch}_relaunch_ms_max={max(ms):.1f}")
+        print(f"{launch}_weights_source={','.join(map(str, sources))}")
+        print(f"{launch}_weights_ms_median={statistics.median(r['weights_ms'] for r in rounds):.1f}")
+    if "zygote" in medians and "spawn" in medians:
+        print(f"speedup_spawn_over_zygote={medians['spawn'] / medians['zygote']:.2f}")
+    mapped = all(r["weights_source"] == "cache" for rs in results.values() for r in rs)
+    print(f"weights_mapped_not_reloaded={int(mapped)}")
+    return 0 if mapped else 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="Hugging Face model dir (default: a tiny random model)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--kv-memory", default="64MiB")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--pause", type=float, default=0.5, help="seconds between rounds")
+    p.add_argument("--paths", default="zygote,spawn", help="launch paths to compare")
+    a = p.parse_args()
+    configure_logging("error", process="bench")
+    print(f"bench/relaunch.py  date={datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}")
+    print(machine())
+    print(f"model={a.model or 'tiny (random, 2 layers)'} device={a.device} dtype={a.dtype} tp={a.tp} rounds={a.rounds}")
+    workdir = Path(tempfile.mkdtemp(prefix="fo-bench-", dir="/tmp"))
+    try:
+        return asyncio.run(main_async(a, workdir))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
