@@ -39,10 +39,14 @@ class HealthMonitor:
         self._max_pending = math.ceil(config.probe_timeout / config.probe_interval) + 1
 
     def watch(self, inst: Instance) -> None:
-        """Start (or keep) probing ``inst``; the loop ends by itself when the role is not watched."""
+        """(Re)start probing ``inst``; the loop ends by itself when the role is not watched.
+
+        A loop of an older registration is replaced, not kept: it would end at its next wake-up on
+        the generation change and leave the new registration unprobed.
+        """
         task = self._loops.get(inst)
         if task is not None and not task.done():
-            return
+            task.cancel()
         self._loops[inst] = asyncio.get_running_loop().create_task(
             self._loop(inst), name=f"probe-loop-{inst.name}")
 
@@ -62,10 +66,14 @@ class HealthMonitor:
 
     async def _loop(self, inst: Instance) -> None:
         generation = inst.generation
-        while inst.generation == generation and inst.role in states.WATCHED and not inst.fenced:
-            if self._pending.get(inst, 0) < self._max_pending:
-                self._spawn(inst)
-            await asyncio.sleep(self.config.probe_interval)
+        try:
+            while inst.generation == generation and inst.role in states.WATCHED and not inst.fenced:
+                if self._pending.get(inst, 0) < self._max_pending:
+                    self._spawn(inst)
+                await asyncio.sleep(self.config.probe_interval)
+        finally:
+            if self._loops.get(inst) is asyncio.current_task():
+                del self._loops[inst]
 
     def _spawn(self, inst: Instance) -> None:
         self._pending[inst] = self._pending.get(inst, 0) + 1
@@ -88,6 +96,8 @@ class HealthMonitor:
             why = f"{type(exc).__name__}: {exc}"
         finally:
             self._pending[inst] -= 1
+            if not self._pending[inst]:
+                del self._pending[inst]
         self.on_result(inst, generation, ok, why, time.monotonic() - t0)
 
     def _client(self) -> aiohttp.ClientSession:
