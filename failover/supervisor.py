@@ -87,13 +87,17 @@ class Supervisor:
             self._made_run_dir = True
         os.chmod(run, 0o700)
         (run / "supervisor.pid").write_text(f"{os.getpid()}\n")
+        # The default token (RUN_DIR/admin.token) is ours: fresh each run, removed at exit. A token
+        # file named in the config is the operator's: used as is, created (and kept) only if missing.
         token = self.config.token_path
-        if not token.exists():
+        if not self.config.router.admin_token_file or not token.exists():
             token.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            token.unlink(missing_ok=True)
             fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_hex(32) + "\n")
-            self._made_token = True
+            self._made_token = not self.config.router.admin_token_file
+            log.info("admin_token_written", path=str(token))
 
     async def _start_zygote(self) -> None:
         if self.sup.launch != "zygote":
