@@ -253,8 +253,9 @@ def machine(args) -> str:
     import torch
 
     gpu = f", GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
+    load = "/".join(f"{x:.1f}" for x in os.getloadavg())
     return (f"{platform.node()}: {cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads){gpu}, Python {platform.python_version()}")
+            f"({torch.get_num_threads()} threads){gpu}, Python {platform.python_version()}, load avg {load}")
 
 
 def main(argv=None) -> int:
@@ -277,7 +278,8 @@ def main(argv=None) -> int:
     try:
         if not args.skip_ready:
             ready = bench_ready(model, args, work)
-            print(f"\ntime to ready (median of {args.runs}; spawn -> /ready 200, incl. interpreter + import torch)")
+            print(f"\ntime to ready (median of {args.runs}; spawn -> /ready 200, incl. interpreter + import torch;"
+                  f" 'weights' = map or read; 'in-process startup' = port open -> ready, incl. warmup)")
             for label, r in ready.items():
                 print(f"  {label:<28} ready {r['ready_s']:7.3f} s   weights {r['weights_s']:7.3f} s   "
                       f"in-process startup {r['startup_s']:7.3f} s")

@@ -172,6 +172,12 @@ class EngineServer:
                 await send(envelope(req, model, [], chunk=True, usage_=usage(len(req.prompt_ids), completion)))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
+        except EngineDead as e:  # headers are sent: report in-band, then end the stream
+            self.metrics.outcome("error")
+            err = ApiError(500, f"the engine failed: {e}", type="server_error")
+            await send(err.body())
+            await resp.write_eof()
+            return resp
         except (ConnectionResetError, asyncio.CancelledError):
             # the client went away: closing the generator above aborted the sequence
             self.metrics.outcome("disconnect")
