@@ -149,6 +149,7 @@ def _run_child(req: Fork) -> None:
         for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
+        set_process_name(req.name)
         if req.parent_pid:
             deadline = time.monotonic() + 5.0
             while os.getppid() != req.parent_pid and time.monotonic() < deadline:
@@ -156,7 +157,6 @@ def _run_child(req: Fork) -> None:
             set_pdeathsig(signal.SIGKILL)
             if os.getppid() != req.parent_pid:  # the supervisor died meanwhile (or is no subreaper)
                 os._exit(70)
-        set_process_name(req.name)
         os.environ.update(req.env)
         module, _, func = req.target.partition(":")
         code = int(getattr(importlib.import_module(module), func or "main")(req.argv) or 0)

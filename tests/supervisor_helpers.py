@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 
 def child_main(argv: list[str]) -> int:
@@ -28,10 +37,8 @@ def _table(values: dict) -> str:
 
 def write_config(path, *, model, run_dir, router: dict | None = None, service_extra: dict | None = None,
                  model_extra: dict | None = None, supervisor: dict | None = None,
-                 second_service: bool = False, clash: bool = False) -> "Path":
+                 second_service: bool = False, clash: bool = False) -> Path:
     """A CPU config for the tiny model on free ports; keyword tables override or add keys."""
-    from pathlib import Path
-
     from conftest import free_port
 
     service = {"name": "chat", "kind": "online", "priority": 100, "standbys": 1, "kv_memory": "8MiB",
@@ -54,8 +61,6 @@ def write_config(path, *, model, run_dir, router: dict | None = None, service_ex
 
 async def _zygote_scenario() -> dict:
     import asyncio
-    import os
-    import signal
 
     from failover.launch import Zygote
     from failover.processes import become_subreaper
@@ -67,10 +72,15 @@ async def _zygote_scenario() -> dict:
     out["zygote_pid"], out["import_s"] = hello.pid, hello.import_s
 
     quick = await zygote.fork("fo-quick", ["3", "0.2"], target="supervisor_helpers:child_main")
-    with open(f"/proc/{quick.pid}/stat") as f:
-        out["quick_ppid"] = int(f.read().rsplit(")", 1)[1].split()[1])
-    with open(f"/proc/{quick.pid}/comm") as f:
-        out["quick_comm"] = f.read().strip()
+    deadline = time.monotonic() + 5.0  # the child names itself and is re-parented right after the fork
+    while time.monotonic() < deadline:
+        with open(f"/proc/{quick.pid}/stat") as f:
+            out["quick_ppid"] = int(f.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{quick.pid}/comm") as f:
+            out["quick_comm"] = f.read().strip()
+        if out["quick_comm"] == "fo-quick" and out["quick_ppid"] == os.getpid():
+            break
+        await asyncio.sleep(0.005)
     out["quick_rc"] = await quick.wait(10)
     out["quick_runtime_s"] = quick.exited_at - quick.started
 
@@ -92,8 +102,6 @@ async def _zygote_scenario() -> dict:
 
 if __name__ == "__main__":
     import asyncio
-    import json
-    import sys
 
     from cache_daemon.logs import configure_logging
 
@@ -104,18 +112,7 @@ if __name__ == "__main__":
 
 # --- a node under test: `failover up` as a real process, and clients of its router ----------------
 
-import json as _json
-import os as _os
-import signal as _signal
-import subprocess as _subprocess
-import sys as _sys
-import threading as _threading
-import time as _time
-import urllib.error as _urlerror
-import urllib.request as _urlrequest
-from pathlib import Path as _Path
-
-REPO = _Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent
 
 
 def http(method: str, url: str, body: dict | None = None, token: str | None = None, timeout: float = 30.0):
@@ -123,29 +120,29 @@ def http(method: str, url: str, body: dict | None = None, token: str | None = No
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    data = None if body is None else _json.dumps(body).encode()
-    req = _urlrequest.Request(url, data=data, method=method, headers=headers)
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
-        with _urlrequest.urlopen(req, timeout=timeout) as resp:
-            return resp.status, _json.loads(resp.read() or b"{}")
-    except _urlerror.HTTPError as e:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as e:
         with e:
             raw = e.read()
         try:
-            return e.code, _json.loads(raw)
+            return e.code, json.loads(raw)
         except ValueError:
             return e.code, {"raw": raw.decode(errors="replace")}
 
 
 def wait_until(predicate, timeout: float = 30.0, what: str = "condition", interval: float = 0.05):
-    deadline = _time.monotonic() + timeout
+    deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
-        if _time.monotonic() > deadline:
+        if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        _time.sleep(interval)
+        time.sleep(interval)
 
 
 def alive(pid: int) -> bool:
@@ -161,13 +158,13 @@ class Node:
     """One `failover up` process on a fresh config; ``stop()`` checks it left nothing behind."""
 
     def __init__(self, procs, tiny_model, run_dir, **config_overrides) -> None:
-        self.run_dir = _Path(run_dir) / "node"
-        self.config_path = write_config(_Path(run_dir) / "node.toml", model=tiny_model, run_dir=self.run_dir,
+        self.run_dir = Path(run_dir) / "node"
+        self.config_path = write_config(Path(run_dir) / "node.toml", model=tiny_model, run_dir=self.run_dir,
                                         **config_overrides)
-        self.log_path = _Path(run_dir) / "up.log"
+        self.log_path = Path(run_dir) / "up.log"
         self._log = open(self.log_path, "wb")
         self.proc = procs.python("-m", "failover", "up", str(self.config_path), stdout=self._log,
-                                 stderr=_subprocess.STDOUT)
+                                 stderr=subprocess.STDOUT)
         from failover.config import load_config
 
         self.config = load_config(self.config_path)
@@ -211,11 +208,11 @@ class Node:
         stby = [i for i in insts if i["role"] == "standby" and i["ready"] and i["pid"]]
         return (prim[0], stby[0]) if prim and stby else None
 
-    def cli(self, *args: str) -> _subprocess.CompletedProcess:
-        return _subprocess.run([_sys.executable, "-m", "failover", *args, "--config", str(self.config_path)],
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "failover", *args, "--config", str(self.config_path)],
                                capture_output=True, text=True, timeout=60, cwd=REPO)
 
-    def stop(self, sig: int = _signal.SIGINT) -> None:
+    def stop(self, sig: int = signal.SIGINT) -> None:
         """Ctrl-C the node; assert a clean exit with no process and no file left behind."""
         try:
             self.status()
@@ -229,10 +226,10 @@ class Node:
         assert code == 0, f"failover up exited with {code}:\n{self.log()[-3000:]}"
         left = [p for p in self.seen_pids if alive(p)]
         assert not left, f"processes left behind: {left}"
-        assert not self.run_dir.exists(), f"run dir left behind: {sorted(_os.listdir(self.run_dir))}"
+        assert not self.run_dir.exists(), f"run dir left behind: {sorted(os.listdir(self.run_dir))}"
 
 
-class Load(_threading.Thread):
+class Load(threading.Thread):
     """Sends completions in ``workers`` threads until stopped; counts what succeeded and what failed."""
 
     def __init__(self, url: str, workers: int = 3, max_tokens: int = 8) -> None:
@@ -240,11 +237,11 @@ class Load(_threading.Thread):
         self.url, self.workers, self.max_tokens = url, workers, max_tokens
         self.ok = 0
         self.failures: list[str] = []
-        self._stop_event = _threading.Event()
-        self._lock = _threading.Lock()
+        self._stop_event = threading.Event()
+        self._lock = threading.Lock()
 
     def run(self) -> None:
-        threads = [_threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(self.workers)]
+        threads = [threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(self.workers)]
         for t in threads:
             t.start()
         for t in threads:

@@ -50,7 +50,7 @@ def test_kill_standby_zygote_and_daemon_each_replaced_while_serving(node):
     assert node.role("primary")["pid"] == primary["pid"]  # the primary never moved
 
     os.kill(sup["zygote"]["pid"], signal.SIGKILL)
-    wait_until(lambda: (z := node.status()["supervisor"]["zygote"])["pid"] not in (None, sup["zygote"]["pid"]),
+    wait_until(lambda: node.status()["supervisor"]["zygote"]["pid"] not in (None, sup["zygote"]["pid"]),
                30, "a new zygote")
 
     os.kill(sup["daemon"]["pid"], signal.SIGKILL)
