@@ -23,6 +23,12 @@ def _cu():
     return driver
 
 
+def driver_version() -> int:
+    """Load and resolve the driver bindings without initialising CUDA (safe before a fork)."""
+    cu = _cu()
+    return int(_ck(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
+
+
 def _ck(result, what: str):
     cu = _cu()
     err, *rest = result if isinstance(result, tuple) else (result,)

@@ -151,6 +151,21 @@ def attach(socket_path, config: CacheConfig, *, timeout: float = 10.0) -> Mapped
         raise
 
 
+def preload(device: str = "cpu") -> None:
+    """Import now what :func:`attach` needs for ``device`` (torch; on CUDA the driver bindings), so
+    the first attach does not pay for it: call it in a zygote before it forks. On CUDA it loads the
+    driver library and resolves its symbols (``cuDriverGetVersion``), but calls no ``cuInit``:
+    no CUDA context, no thread."""
+    import torch  # noqa: F401
+
+    from . import arena_cpu  # noqa: F401
+
+    if device.startswith("cuda"):
+        from . import arena_cuda
+
+        arena_cuda.driver_version()
+
+
 def query(socket_path, config: CacheConfig, *, timeout: float = 10.0) -> QueryReply:
     """Whether ``config`` is resident (raises like :func:`attach` when not), without mapping it."""
     conn = Connection(socket_path, timeout=timeout)
