@@ -159,13 +159,7 @@ class Supervisor:
         """Tell the router about a ready slot (new, relaunched, or resumed in place)."""
         svc = self.router.services.get(slot.service)
         inst = svc.instances.get(slot.name) if svc is not None else None
-        if inst is not None and inst.role in (states.RELAUNCHING, states.STOPPED):
-            # Re-registering in place races the router's probe loop of the old generation (still
-            # asleep, so HealthMonitor.watch() keeps it, and it then ends on the generation change,
-            # leaving the new one unprobed and never ready). A fresh Instance gets a fresh loop.
-            self.router.remove_instance(slot.name)
-            inst = None
-        if inst is None or inst.role == states.PREEMPTED:
+        if inst is None or inst.role in (states.RELAUNCHING, states.STOPPED, states.PREEMPTED):
             self.router.add_instance(slot.service, slot.name, slot.url, role, pid=slot.pid)
         else:  # the router already holds it as standby/primary (resume): only the pid changed
             inst.pid = slot.pid
