@@ -29,7 +29,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     where.add_argument("--config", type=Path, help="the node config that `failover up` runs")
     where.add_argument("--url", help="router base URL, e.g. http://127.0.0.1:8000")
     where.add_argument("--token-file", type=Path, help="admin token file (with --url)")
-    p.add_argument("--timeout", dest="http_timeout", type=float, default=30.0, help="HTTP timeout, seconds")
+    p.add_argument("--http-timeout", type=float, default=30.0, help="seconds to wait for the router's answer")
     if name == "status":
         p.add_argument("--json", action="store_true", help="print the router's status document")
     elif name == "promote":
@@ -37,8 +37,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.add_argument("--to", dest="to", help="the standby instance to promote (default: the router's pick)")
     elif name == "drain":
         p.add_argument("instance", help="instance name, e.g. chat-0 (see `failover status`)")
-        p.add_argument("--drain-timeout", "--wait", dest="drain_timeout", type=float, default=None,
-                       help="seconds to wait for its in-flight requests")
+        p.add_argument("--timeout", dest="drain_timeout", type=float, default=None,
+                       help="seconds to wait for its in-flight requests (default: the router's drain_timeout)")
     else:  # preempt, resume
         p.add_argument("service", help="the (batch) service")
     a = p.parse_args(rest)

@@ -15,9 +15,11 @@ import re
 import socket
 import tomllib
 from pathlib import Path
-from typing import Annotated, Literal, get_args, get_origin, get_type_hints
+from typing import Annotated, Literal
 
 import msgspec
+
+from failover.config_errors import explain, unknown_key
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -175,11 +177,11 @@ def load_config(path: str | Path) -> Config:
 
 def parse_config(raw: dict, *, source: str = "<config>") -> Config:
     if "source" in raw:
-        raise ConfigError(source, [_unknown_key("", "source", Config)])
+        raise ConfigError(source, [unknown_key("", "source", Config)])
     try:
         config = msgspec.convert(raw, Config)
     except msgspec.ValidationError as e:
-        raise ConfigError(source, [_explain(str(e))]) from None
+        raise ConfigError(source, [explain(str(e), Config)]) from None
     problems = _check_services(config)
     if problems:
         raise ConfigError(source, problems)
@@ -309,82 +311,3 @@ def port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-# --- turning msgspec's messages into ones that name the key and what is allowed ---------------------
-
-_TYPE_WORDS = {"int": "an integer", "str": "a string", "float": "a number", "bool": "true or false",
-               "array": "an array", "object": "a table", "null": "absent"}
-
-
-def _explain(message: str) -> str:
-    text, _, where = message.partition(" - at `")
-    path = where.rstrip("`").removeprefix("$").lstrip(".")
-    struct = _struct_at(path)
-    m = re.match(r"Object contains unknown field `(.+)`", text)
-    if m:
-        return _unknown_key(path, m.group(1), struct)
-    m = re.match(r"Object missing required field `(.+)`", text)
-    if m:
-        return f"{_join(path, m.group(1))}: required key is missing"
-    if text.startswith("Invalid enum value"):
-        allowed = _literal_values(path)
-        return f"{path}: {text.removeprefix('Invalid enum value ')} is not allowed; allowed: {allowed}"
-    m = re.match(r"Expected `(.+?)`(.*?)(?:, got `(.+)`)?$", text)
-    if m:
-        want = " or ".join(_TYPE_WORDS.get(t.strip(), t.strip()) for t in m.group(1).split("|")
-                           if t.strip() != "null")
-        got = f", got {_TYPE_WORDS.get(m.group(3), m.group(3))}" if m.group(3) else ""
-        return f"{path}: expected {want}{m.group(2)}{got}"
-    return f"{path or 'config'}: {text}"
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _unknown_key(path: str, key: str, struct: type | None) -> str:
-    allowed = ", ".join(f for f in struct.__struct_fields__ if f != "source") if struct else "?"
-    close = [f for f in (struct.__struct_fields__ if struct else ()) if _similar(key, f)]
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"{_join(path, key)}: unknown key{hint}; allowed keys here: {allowed}"
-
-
-def _similar(a: str, b: str) -> bool:
-    import difflib
-
-    return difflib.SequenceMatcher(None, a, b).ratio() >= 0.75
-
-
-def _resolve(path: str) -> object:
-    """The annotated type at a key path such as ``service[0].batch``."""
-    tp: object = Config
-    for part in filter(None, re.split(r"\.|\[\d+\]", path)):
-        tp = _strip(tp)
-        if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
-            tp = get_type_hints(tp, include_extras=True).get(part)
-    return tp
-
-
-def _strip(tp: object) -> object:
-    """Peel Annotated, Optional and list[...] down to the element type."""
-    while True:
-        origin = get_origin(tp)
-        if origin is Annotated:
-            tp = get_args(tp)[0]
-        elif origin is list:
-            tp = get_args(tp)[0]
-        elif origin is not None and type(None) in get_args(tp):
-            tp = next(a for a in get_args(tp) if a is not type(None))
-        else:
-            return tp
-
-
-def _struct_at(path: str) -> type | None:
-    tp = _strip(_resolve(path)) if path else Config
-    return tp if isinstance(tp, type) and issubclass(tp, msgspec.Struct) else None
-
-
-def _literal_values(path: str) -> str:
-    tp = _strip(_resolve(path))
-    return ", ".join(repr(v) for v in get_args(tp)) if get_origin(tp) is Literal else "?"

@@ -70,6 +70,6 @@ class NodeRouter(Router):
         """Drain, then recycle: the drained process is stopped and comes back as a fresh standby."""
         result = await super().drain(instance, timeout)
         if instance in self.supervisor.slots:
-            self.supervisor._background(self.supervisor.retire(instance), f"retire-{instance}")
+            self.supervisor.background(self.supervisor.retire(instance), f"retire-{instance}")
             result["relaunch"] = "the drained instance restarts as a fresh standby"
         return result

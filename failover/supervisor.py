@@ -73,6 +73,9 @@ class Supervisor:
         await asyncio.gather(self.daemon.start(), self._start_zygote())
         self.progress(f"launching {len(self.slots)} engine(s)")
         await asyncio.gather(*(self._launch(slot, "initial") for slot in self.slots.values()))
+        lost = [s.name for s in self.slots.values() if s.state != slots.RUNNING]
+        if lost:  # one became ready and then died while the others were still starting
+            raise ChildFailed(f"{', '.join(lost)} exited during startup; see the engine log above")
         for svc in self.config.service:
             for i, name in enumerate(svc.slot_names()):
                 self._register(self.slots[name], states.PRIMARY if i == 0 else states.STANDBY)
@@ -242,9 +245,9 @@ class Supervisor:
             return
         log.error("zygote_died", pid=child.pid, returncode=child.returncode,
                   consequence="running engines are unaffected; restarting the zygote")
-        self._background(self._start_zygote(), "zygote-restart")
+        self.background(self._start_zygote(), "zygote-restart")
 
-    def _background(self, coro, name: str) -> None:
+    def background(self, coro, name: str) -> None:
         task = asyncio.ensure_future(coro)
         task.set_name(name)
         self._bg.add(task)

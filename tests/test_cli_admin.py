@@ -49,7 +49,7 @@ def test_promote_then_drain_from_the_cli(node):
     wait_until(lambda: node.role("standby")["name"] == primary["name"], 10, "the old primary as standby")
 
     new_primary, old = wait_until(node.serving_pair, 30, "a ready pair")
-    res = node.cli("drain", new_primary["name"], "--drain-timeout", "5")
+    res = node.cli("drain", new_primary["name"], "--timeout", "5")
     assert res.returncode == 0, res.stderr
     assert node.role("primary")["name"] == old["name"]  # switched away before draining
     # the drained instance is recycled: a fresh process, back as a ready standby
