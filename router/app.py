@@ -48,6 +48,7 @@ class Router:
         self.proxy = Proxy(config, self.services, self.promoter, self.metrics)
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
+        self._stopped = False
         self.port: int | None = None
 
     # -- instances ----------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class Router:
             self.promoter.spawn(old_session.close(), f"close-{inst.name}")
         inst.url, inst.pid = url.rstrip("/"), pid
         inst.generation += 1
-        inst.fenced = inst.suspect = False
+        inst.fenced = inst.suspect = inst.ever_ready = False
         inst.failures = 0
         self.promoter.set_ready(inst, False, "re-registered")
         if inst.role != role:
@@ -114,6 +115,9 @@ class Router:
         inst = self._find(name)
         if inst is None:
             log.warning("exit_of_unknown_instance", instance=name, returncode=returncode)
+            return
+        if self._stopped:  # shutting down: engines exit on purpose, nothing to fail over to
+            inst.pid = None
             return
         self.promoter.instance_exited(inst, returncode)
 
@@ -191,6 +195,7 @@ class Router:
         """Ordered shutdown; each step bounded, the last one cancels what is left."""
         if self._runner is None:
             return
+        self._stopped = True
         # 1. Waiting requests get their 503 now rather than at their deadline.
         for svc in self.services.values():
             svc.closing = True

@@ -26,6 +26,7 @@ class Instance:
         self.pid = pid
         self.last_transition = states.initial(role)
         self.ready = False  # verdict of the last probe (or passive observation)
+        self.ever_ready = False  # until then failed probes mean "starting", not "failed"
         self.suspect = False  # a proxied request failed; a confirm probe is on its way
         self.failures = 0  # consecutive failures, probes and passive observations together
         self.fenced = False  # never serves again under this registration

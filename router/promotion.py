@@ -83,10 +83,15 @@ class Promoter:
             inst.probe_latency = latency
             inst.failures = 0
             inst.suspect = False
+            inst.ever_ready = True
             self.set_ready(inst, True, why)
             service.refresh()
-            if service.primary is None and inst.role == states.STANDBY:
-                self.promote_best(service, "standby_ready")
+            if inst.role == states.STANDBY:
+                primary = service.primary
+                if primary is None:
+                    self.promote_best(service, "standby_ready")
+                elif self._never_came_up(primary):
+                    self.fail(primary, "never_ready")
             return
         self._count_failure(inst, "probe", why)
         if inst.suspect and not inst.fenced:
@@ -107,9 +112,18 @@ class Promoter:
                 self.services[inst.service].refresh()
                 self.confirm(inst)
 
+    def _never_came_up(self, inst: Instance) -> bool:
+        return not inst.ever_ready and inst.failures >= self.config.failure_threshold
+
     def _count_failure(self, inst: Instance, kind: str, why: str) -> None:
         inst.failures += 1
         if inst.failures < self.config.failure_threshold:
+            return
+        if not inst.ever_ready:
+            # Still starting, as far as we know (a standalone router started before its engines):
+            # a primary that never came up gives way only to a standby that did.
+            if inst is self.services[inst.service].primary and self.best_standby(self.services[inst.service]):
+                self.fail(inst, "never_ready")
             return
         if inst.role in (states.PRIMARY, states.DRAINING):
             self.fail(inst, kind)
@@ -206,7 +220,10 @@ class Promoter:
             "old": pending.old, "new": inst.name, "reason": pending.reason,
             "detect_ms": round((pending.detected - pending.last_ok) * 1e3, 2),
             "switch_ms": round((pending.switched - pending.detected) * 1e3, 2),
-            "blackout_ms": round(blackout * 1e3, 2), "at": time.time()}
+            "blackout_ms": round(blackout * 1e3, 2), "at": time.time(),
+            # this process's monotonic clock, for benchmarks that line failovers up with their faults
+            "monotonic": {"last_ok": pending.last_ok, "detected": pending.detected,
+                          "switched": pending.switched, "first_ok": now}}
         log.info("failover_complete", service=inst.service, **record)
 
     # -- planned operations -------------------------------------------------------------------

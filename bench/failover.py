@@ -1,0 +1,303 @@
+"""Failover benchmark of the router: crash and hang of the primary under steady load, and overhead.
+
+    python bench/failover.py                                  # CPU, tiny model: 20 kills, 5 hangs
+    python bench/failover.py --kills 5 --hangs 2 --overhead-n 100 --rps-seconds 3   # quick look
+
+Crash phase: the router runs in this process the way the supervisor runs it (a Launcher that fences
+by SIGKILL and starts a fresh engine as the replacement standby, registered once ready; each
+engine's exit reaches ``Router.instance_exited`` through a pidfd, as in the supervisor), with
+closed-loop clients (bench/loadgen.py: completions and chat, streamed and not, every answer checked
+against the greedy answer of an uninterrupted run). Each round waits for a ready standby, lets the
+load settle, then kill -9s the primary. ``--no-exit-notice`` leaves detection to the router alone
+(failed requests and probes), as in standalone use. Hang phase: the same with SIGSTOP; only the
+active probe can see it. Overhead phase: a standalone ``failover router`` process in front of one
+engine, direct vs through it, sequential latency and closed-loop requests/s.
+
+Blackout, router side: last good response (or stream chunk) of the old primary to the first good
+one of the new (recorded by the router per failover). Client side: the kill to the first token or
+answer any client received after it, and the longest pause inside any one stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engines import EngineProc, free_port  # noqa: E402
+from loadgen import Load, percentile, summary  # noqa: E402
+
+SERVICE = "default"
+
+
+def machine() -> str:
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    return (f"host={platform.node()} cpu=\"{cpu}\" cores={os.cpu_count()} python={platform.python_version()} "
+            f"torch={torch.__version__} kernel={platform.release()}")
+
+
+def ms(values: list[float], q: float) -> float:
+    return round(percentile(values, q) * 1e3, 1)
+
+
+class BenchLauncher:
+    """The supervisor's part, reduced: fence = SIGKILL, replacement = a fresh engine, exits via pidfd."""
+
+    def __init__(self, model: Path, logs: Path, exit_notice: bool) -> None:
+        self.model, self.logs, self.exit_notice = model, logs, exit_notice
+        self.router = None
+        self.engines: dict[str, EngineProc] = {}
+
+    def start(self) -> EngineProc:
+        e = EngineProc(self.model, log_dir=self.logs)
+        self.engines[f"e{e.port}"] = e
+        return e
+
+    def register(self, e: EngineProc, role: str) -> None:
+        name = f"e{e.port}"
+        self.router.add_instance(SERVICE, name, e.url, role, e.pid)
+        if self.exit_notice:
+            fd = os.pidfd_open(e.pid)
+            loop = asyncio.get_running_loop()
+
+            def exited() -> None:
+                loop.remove_reader(fd)
+                os.close(fd)
+                self.router.instance_exited(name, e.proc.wait())
+            loop.add_reader(fd, exited)
+
+    async def request_standby(self, service: str) -> None:
+        e = self.start()
+        await e.wait_ready()
+        self.register(e, "standby")
+
+    async def fence(self, name: str) -> None:
+        await asyncio.to_thread(self.engines[name].kill)
+
+    async def preempt(self, service: str) -> None: ...
+
+    async def resume(self, service: str) -> None: ...
+
+    def stop_all(self) -> None:
+        for e in self.engines.values():
+            if e.proc.poll() is None:
+                e.kill()
+
+
+async def fault_phase(model: Path, logs: Path, args: argparse.Namespace, sig: int, rounds: int) -> dict:
+    from router.app import Router
+    from router.config import RouterConfig
+
+    launcher = BenchLauncher(model, logs, exit_notice=args.exit_notice)
+    router = Router(RouterConfig(port=free_port()), launcher)
+    launcher.router = router
+    first = [launcher.start() for _ in range(2)]
+    await asyncio.gather(*(e.wait_ready() for e in first))
+    for e, role in zip(first, ("primary", "standby")):
+        launcher.register(e, role)
+    await router.start()
+    svc = router.services[SERVICE]
+    records, faults = [], []
+    try:
+        load = Load(router.url, max_tokens=args.max_tokens, seed=args.seed)
+        async with aiohttp.ClientSession() as s:
+            await load.learn_expected(s)
+        stop = asyncio.Event()
+        runner = asyncio.create_task(load.run(args.concurrency, stop))
+        t_start = time.monotonic()
+        for i in range(rounds):
+            while svc.routable() is None or launcher_pending(svc):
+                await asyncio.sleep(0.05)  # the replacement of the previous round is not ready yet
+            await asyncio.sleep(args.settle)
+            victim = svc.primary
+            before = router.promoter.last_failover.get(SERVICE)
+            faults.append(time.monotonic())
+            os.kill(victim.pid, sig)
+            deadline = time.monotonic() + 30
+            while router.promoter.last_failover.get(SERVICE) is before and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            rec = router.promoter.last_failover.get(SERVICE)
+            if rec is before:
+                print(f"  round {i + 1}: no completed failover within 30 s", flush=True)
+                continue
+            mono = rec["monotonic"]
+            rec = rec | {"kill_to_detect_ms": (mono["detected"] - faults[-1]) * 1e3,
+                         "kill_to_first_ok_ms": (mono["first_ok"] - faults[-1]) * 1e3}
+            records.append(rec)
+            print(f"  round {i + 1:2d}: {victim.name} -> {rec['new']}  reason={rec['reason']:<7} "
+                  f"kill->detect={rec['kill_to_detect_ms']:6.1f} ms  switch={rec['switch_ms']:4.2f} ms  "
+                  f"kill->first good={rec['kill_to_first_ok_ms']:6.1f} ms  "
+                  f"blackout={rec['blackout_ms']:6.1f} ms", flush=True)
+        await asyncio.sleep(args.settle)
+        stop.set()
+        await runner
+        result = summary(load.outcomes, load.progress, faults, time.monotonic() - t_start)
+    finally:
+        await router.stop()
+        launcher.stop_all()
+    blackout = [r["blackout_ms"] / 1e3 for r in records]
+    detect = [r["kill_to_detect_ms"] / 1e3 for r in records]
+    recover = [r["kill_to_first_ok_ms"] / 1e3 for r in records]
+    m = router.metrics
+    result |= {"failovers": len(records), "router_blackout_p50_ms": ms(blackout, 50),
+               "router_blackout_p99_ms": ms(blackout, 99), "router_blackout_max_ms": ms(blackout, 100),
+               "detect_p50_ms": ms(detect, 50), "detect_p99_ms": ms(detect, 99),
+               "recover_p50_ms": ms(recover, 50), "recover_p99_ms": ms(recover, 99),
+               "migrated_streams": int(m.migrations.labels(SERVICE)._value.get()),
+               "retried_requests": int(m.retries.labels(SERVICE)._value.get())}
+    return result
+
+
+def launcher_pending(svc) -> bool:
+    """True until the service has a ready standby again (the last round's replacement)."""
+    return not any(i.ready for i in svc.standbys())
+
+
+async def timed(s: aiohttp.ClientSession, method: str, url: str, body: dict | None) -> float:
+    t = time.perf_counter()
+    async with s.request(method, url, json=body) as r:
+        await r.read()
+        assert r.status == 200, r.status
+    return time.perf_counter() - t
+
+
+async def closed_loop(url: str, method: str, body: dict | None, concurrency: int, seconds: float) -> float:
+    done = 0
+    deadline = time.monotonic() + seconds
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def worker() -> None:
+            nonlocal done
+            while time.monotonic() < deadline:
+                async with s.request(method, url, json=body) as r:
+                    await r.read()
+                done += 1
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done / seconds
+
+
+async def overhead_phase(model: Path, logs: Path, args: argparse.Namespace) -> dict:
+    engine = EngineProc(model, log_dir=logs)
+    port = free_port()
+    router = subprocess.Popen([sys.executable, "-m", "failover", "router", "--backend", f"e0={engine.url}",
+                               "--port", str(port), "--log-level", "warning"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proxied = f"http://127.0.0.1:{port}"
+    try:
+        await engine.wait_ready()
+        async with aiohttp.ClientSession() as s:
+            for _ in range(200):
+                try:
+                    async with s.get(proxied + "/ready") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.05)
+            async with s.get(engine.url + "/v1/models") as r:
+                model_id = (await r.json())["data"][0]["id"]
+            one = {"model": model_id, "prompt": "Hello", "max_tokens": 1, "temperature": 0.0}
+            out = {}
+            for label, method, path, body in (("models", "GET", "/v1/models", None),
+                                              ("completion1", "POST", "/v1/completions", one)):
+                lat = {"direct": [], "router": []}
+                for i in range(2 * args.overhead_n):  # interleaved, so drift hits both alike
+                    key, base = ("direct", engine.url) if i % 2 == 0 else ("router", proxied)
+                    lat[key].append(await timed(s, method, base + path, body))
+                out[label] = {
+                    "direct_p50_ms": ms(lat["direct"], 50), "router_p50_ms": ms(lat["router"], 50),
+                    "added_p50_ms": round((percentile(lat["router"], 50) - percentile(lat["direct"], 50)) * 1e3, 2),
+                    "added_p99_ms": round((percentile(lat["router"], 99) - percentile(lat["direct"], 99)) * 1e3, 2)}
+        for label, method, path, body, conc in (("models", "GET", "/v1/models", None, 16),
+                                                ("completion1", "POST", "/v1/completions", one, 8)):
+            direct = await closed_loop(engine.url + path, method, body, conc, args.rps_seconds)
+            routed = await closed_loop(proxied + path, method, body, conc, args.rps_seconds)
+            out[label] |= {"concurrency": conc, "direct_rps": round(direct, 1), "router_rps": round(routed, 1)}
+        return out
+    finally:
+        router.send_signal(signal.SIGTERM)
+        try:
+            router.wait(10)
+        except subprocess.TimeoutExpired:
+            router.kill()
+            router.wait(5)
+        engine.kill()
+
+
+def report(name: str, r: dict) -> None:
+    print(f"{name}: failovers={r['failovers']} requests={r['requests']} failed={r['failed']} "
+          f"broken_streams={r['broken_streams']} migrated_streams={r['migrated_streams']} "
+          f"retried_requests={r['retried_requests']}")
+    print(f"{name}: router blackout p50={r['router_blackout_p50_ms']} ms p99={r['router_blackout_p99_ms']} ms "
+          f"max={r['router_blackout_max_ms']} ms (last good of old primary -> first good of new)")
+    print(f"{name}: fault -> detected p50={r['detect_p50_ms']} ms p99={r['detect_p99_ms']} ms; "
+          f"fault -> first good response of the new primary p50={r['recover_p50_ms']} ms "
+          f"p99={r['recover_p99_ms']} ms")
+    print(f"{name}: client blackout p50={r['blackout_p50_ms']} ms p99={r['blackout_p99_ms']} ms "
+          f"(fault -> first token to any client); longest stall inside a stream={r['longest_stream_stall_ms']} ms; "
+          f"latency p50={r['latency_p50_ms']} ms p99={r['latency_p99_ms']} ms")
+    if r["failed_by_cause"]:
+        print(f"{name}: failed by cause {r['failed_by_cause']}")
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    from cache_daemon.logs import configure_logging
+    from failover.tiny_model import TinySpec, write_checkpoint
+
+    configure_logging("warning", process="bench-failover")
+    print(f"# bench/failover.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  {machine()}")
+    print(f"# load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (other work on this machine "
+          "shares its cores)")
+    print(f"# kills={args.kills} hangs={args.hangs} concurrency={args.concurrency} max_tokens={args.max_tokens} "
+          f"settle={args.settle}s exit_notice={args.exit_notice} probe=0.1s/0.25s x2 (router defaults)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-failover-") as tmp:
+        tmp = Path(tmp)
+        model = write_checkpoint(tmp / "model", TinySpec())
+        if args.kills:
+            print("crash (kill -9 of the primary):", flush=True)
+            report("crash", await fault_phase(model, tmp, args, signal.SIGKILL, args.kills))
+        if args.hangs:
+            print("hang (SIGSTOP of the primary):", flush=True)
+            report("hang", await fault_phase(model, tmp, args, signal.SIGSTOP, args.hangs))
+        if args.overhead_n:
+            ov = await overhead_phase(model, tmp, args)
+            for label, r in ov.items():
+                print(f"overhead {label}: added p50={r['added_p50_ms']} ms p99={r['added_p99_ms']} ms "
+                      f"(direct p50={r['direct_p50_ms']} ms, router p50={r['router_p50_ms']} ms); "
+                      f"requests/s at concurrency {r['concurrency']}: direct={r['direct_rps']} "
+                      f"router={r['router_rps']}")
+    print(f"# load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kills", type=int, default=20)
+    p.add_argument("--hangs", type=int, default=5)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--settle", type=float, default=1.0, help="steady load before each fault, seconds")
+    p.add_argument("--no-exit-notice", dest="exit_notice", action="store_false",
+                   help="no process-exit notice: the router detects crashes by itself")
+    p.add_argument("--overhead-n", type=int, default=300, help="sequential requests per side (0: skip)")
+    p.add_argument("--rps-seconds", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0)
+    return asyncio.run(main_async(p.parse_args()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
