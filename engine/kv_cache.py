@@ -26,8 +26,8 @@ def bytes_per_slot(layers: int, kv_heads: int, head_dim: int, max_len: int, dtyp
 class AttentionBatch:
     """Where this forward's tokens live in the cache.
 
-    prefill: one sequence per row, tokens at positions 0..T-1 (rows padded on the right never occur:
-    prefill runs one sequence at a time). decode: one token per row at ``positions[:, 0]``.
+    prefill: one sequence per row, tokens at positions 0..T-1 (shorter rows padded on the right).
+    decode: one token per row at ``positions[:, 0]``.
     """
 
     slots: torch.Tensor  # [B] long

@@ -30,8 +30,10 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, eos_ids: tuple[int, ...]) -> None:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, eos_ids: tuple[int, ...],
+                 prefill_tokens: int = 4096) -> None:
         self.runner, self.tokenizer = runner, tokenizer
+        self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (bounds activations)
         self.scheduler = Scheduler(runner.kv.num_slots, runner.max_len, eos_ids)
         self.texts: dict[str, IncrementalText] = {}
 
@@ -53,9 +55,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = []
         admitted = self.scheduler.admit()
-        for seq in admitted:
-            logits = self.runner.run(StepPlan("prefill", (seq.slot,), tuple(seq.all_ids)))
-            outputs += self._advance([seq], logits)
+        for group in _prefill_groups(admitted, self.prefill_tokens):
+            plan = StepPlan("prefill", tuple(s.slot for s in group), tuple(tuple(s.all_ids) for s in group))
+            outputs += self._advance(group, self.runner.run(plan))
         batch = self.scheduler.decode_batch(exclude=admitted)
         if batch:
             plan = StepPlan("decode", tuple(s.slot for s in batch), tuple(s.all_ids[-1] for s in batch),
@@ -82,6 +84,18 @@ class LLMEngine:
     def warmup(self) -> None:
         """One prefill and one decode through the whole stack (every rank), so the first request
         pays no lazy initialisation; leaves no sequence behind."""
-        plan = StepPlan("prefill", (0,), (0, 1, 2, 3))
+        plan = StepPlan("prefill", (0,), ((0, 1, 2, 3),))
         self.runner.run(plan)
         self.runner.run(StepPlan("decode", (0,), (4,), (4,)))
+
+
+def _prefill_groups(seqs: list[Sequence], budget: int) -> list[list[Sequence]]:
+    """Split sequences (shortest first, to waste little padding) into forwards of at most ``budget``
+    padded tokens; a sequence longer than the budget goes alone."""
+    groups: list[list[Sequence]] = []
+    for seq in sorted(seqs, key=lambda s: s.length):
+        if groups and seq.length * (len(groups[-1]) + 1) <= budget:
+            groups[-1].append(seq)
+        else:
+            groups.append([seq])
+    return groups

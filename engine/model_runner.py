@@ -22,12 +22,12 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """prefill: ``tokens`` holds one sequence's ids (positions 0..T-1). decode: one token per row at
-    ``positions``. stop: the group shuts down."""
+    """prefill: ``tokens`` holds each row's whole sequence (positions 0..len-1; rows are padded on the
+    right to the longest). decode: one token per row at ``positions``. stop: the group shuts down."""
 
     kind: str  # "prefill" | "decode" | "stop"
     slots: tuple[int, ...] = ()
-    tokens: tuple[int, ...] = ()
+    tokens: tuple = ()  # prefill: tuple of tuples of ids; decode: one id per row
     positions: tuple[int, ...] = ()
 
 
@@ -64,14 +64,19 @@ class ModelRunner:
         dev = self.device
         slots = torch.tensor(plan.slots, dtype=torch.long, device=dev)
         if plan.kind == "prefill":
-            tokens = torch.tensor([plan.tokens], dtype=torch.long, device=dev)
-            positions = torch.arange(len(plan.tokens), device=dev).unsqueeze(0)
-            batch = AttentionBatch(slots, positions, prefill=True)
-        else:
-            tokens = torch.tensor(plan.tokens, dtype=torch.long, device=dev).unsqueeze(1)
-            pos = torch.tensor(plan.positions, dtype=torch.long, device=dev)
-            batch = self._decode_batch(slots, pos, plan)
-        hidden = self.model(tokens, self.kv, batch)
+            # right padding is harmless: causal attention keeps real positions off the pad, and the
+            # pad's KV (past each row's end) is overwritten by decode before anything attends to it
+            lens = [len(t) for t in plan.tokens]
+            longest = max(lens)
+            tokens = torch.tensor([list(t) + [0] * (longest - len(t)) for t in plan.tokens], dtype=torch.long,
+                                  device=dev)
+            positions = torch.arange(longest, device=dev).unsqueeze(0).expand(len(lens), -1)
+            hidden = self.model(tokens, self.kv, AttentionBatch(slots, positions, prefill=True))
+            last = torch.tensor(lens, device=dev) - 1
+            return self.model.logits(hidden[torch.arange(len(lens), device=dev), last])
+        tokens = torch.tensor(plan.tokens, dtype=torch.long, device=dev).unsqueeze(1)
+        pos = torch.tensor(plan.positions, dtype=torch.long, device=dev)
+        hidden = self.model(tokens, self.kv, self._decode_batch(slots, pos, plan))
         return self.model.logits(hidden[:, -1])
 
     def _decode_batch(self, slots: torch.Tensor, pos: torch.Tensor, plan: StepPlan) -> AttentionBatch:

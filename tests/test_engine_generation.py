@@ -28,6 +28,14 @@ def test_requests_joining_mid_run_match_running_alone(engine):
     assert all(len(v[0]) == 12 and v[2] == "length" for v in together.values())
 
 
+def test_prefill_of_ragged_prompts_together_matches_alone(engine):
+    alone = {}
+    for i, p in enumerate(PROMPTS):
+        alone |= run_engine(engine, [make_seq(f"r{i}", p, max_tokens=6, ignore_eos=True)])
+    together = run_engine(engine, [make_seq(f"r{i}", p, max_tokens=6, ignore_eos=True) for i, p in enumerate(PROMPTS)])
+    assert {k: v[0] for k, v in together.items()} == {k: v[0] for k, v in alone.items()}
+
+
 def test_more_requests_than_slots_wait_for_a_slot(tiny_model):
     small = build_llm_engine(tiny_model, max_batch=2)
     seqs = [make_seq(f"r{i}", p, max_tokens=5, ignore_eos=True) for i, p in enumerate(PROMPTS)]
