@@ -21,6 +21,13 @@ def child_main(argv: list[str]) -> int:
     return int(argv[0]) if argv else 0
 
 
+def free_port_pair() -> int:
+    """A free port whose successor is free too: a primary and its standby listen on both."""
+    from failover.demo import free_port_pair as pair
+
+    return pair()
+
+
 def _toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -42,10 +49,13 @@ def write_config(path, *, model, run_dir, router: dict | None = None, service_ex
     from conftest import free_port
 
     service = {"name": "chat", "kind": "online", "priority": 100, "standbys": 1, "kv_memory": "8MiB",
-               "port": free_port(), "max_batch": 8} | (service_extra or {})
+               "port": free_port_pair(), "max_batch": 8} | (service_extra or {})
     text = f'run_dir = {_toml_value(run_dir)}\n\n[model]\n' + _table(
         {"path": str(model), "dtype": "float32", "tp": 1, "device": "cpu", "transform": "none"} | (model_extra or {}))
-    text += "\n[router]\n" + _table({"host": "127.0.0.1", "port": free_port(), "probe_interval": 0.2,
+    router_port = free_port()
+    while router_port in (service.get("port"), (service.get("port") or 0) + 1):
+        router_port = free_port()
+    text += "\n[router]\n" + _table({"host": "127.0.0.1", "port": router_port, "probe_interval": 0.2,
                                      "probe_timeout": 1.0, "probe_threshold": 2} | (router or {}))
     text += "\n[supervisor]\n" + _table({"ready_timeout": 60.0, "stop_timeout": 5.0, "drain_timeout": 5.0,
                                          "backoff_initial": 0.1} | (supervisor or {}))
