@@ -58,8 +58,9 @@ def ms(values: list[float], q: float) -> float:
 class BenchLauncher:
     """The supervisor's part, reduced: fence = SIGKILL, replacement = a fresh engine, exits via pidfd."""
 
-    def __init__(self, model: Path, logs: Path, exit_notice: bool) -> None:
+    def __init__(self, model: Path, logs: Path, exit_notice: bool, replace_delay: float) -> None:
         self.model, self.logs, self.exit_notice = model, logs, exit_notice
+        self.replace_delay = replace_delay
         self.router = None
         self.engines: dict[str, EngineProc] = {}
 
@@ -82,6 +83,9 @@ class BenchLauncher:
             loop.add_reader(fd, exited)
 
     async def request_standby(self, service: str) -> None:
+        # On 2 CPU cores a starting engine (torch import, weights) competes with the new primary;
+        # --replace-delay keeps that cost out of the failover window, to see the router's own part.
+        await asyncio.sleep(self.replace_delay)
         e = self.start()
         await e.wait_ready()
         self.register(e, "standby")
@@ -103,7 +107,7 @@ async def fault_phase(model: Path, logs: Path, args: argparse.Namespace, sig: in
     from router.app import Router
     from router.config import RouterConfig
 
-    launcher = BenchLauncher(model, logs, exit_notice=args.exit_notice)
+    launcher = BenchLauncher(model, logs, exit_notice=args.exit_notice, replace_delay=args.replace_delay)
     router = Router(RouterConfig(port=free_port()), launcher)
     launcher.router = router
     first = [launcher.start() for _ in range(2)]
@@ -263,7 +267,7 @@ async def main_async(args: argparse.Namespace) -> int:
     print(f"# load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (other work on this machine "
           "shares its cores)")
     print(f"# kills={args.kills} hangs={args.hangs} concurrency={args.concurrency} max_tokens={args.max_tokens} "
-          f"settle={args.settle}s exit_notice={args.exit_notice} probe=0.1s/0.25s x2 (router defaults)", flush=True)
+          f"settle={args.settle}s replace_delay={args.replace_delay}s exit_notice={args.exit_notice} probe=0.1s/0.25s x2 (router defaults)", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-failover-") as tmp:
         tmp = Path(tmp)
         model = write_checkpoint(tmp / "model", TinySpec())
@@ -291,6 +295,8 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--settle", type=float, default=1.0, help="steady load before each fault, seconds")
+    p.add_argument("--replace-delay", type=float, default=0.0,
+                   help="seconds before the replacement standby is started (default: at once, as the supervisor)")
     p.add_argument("--no-exit-notice", dest="exit_notice", action="store_false",
                    help="no process-exit notice: the router detects crashes by itself")
     p.add_argument("--overhead-n", type=int, default=300, help="sequential requests per side (0: skip)")

@@ -71,8 +71,9 @@ class Proxy:
         except ClientGone:
             log.info("client_gone", service=service.name, path=request.path)
             self.metrics.requests.labels(service.name, "client_gone").inc()
-            assert relay is not None and relay.response is not None
-            return relay.response
+            if relay is not None and relay.response is not None:
+                return relay.response
+            return web.Response(status=499)  # nobody is there to read it
 
     async def _serve(self, request: web.Request, service: Service, body: bytes,
                      relay: StreamRelay | None, t0: float) -> web.StreamResponse:

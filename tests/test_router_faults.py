@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
+import sys
 
 import aiohttp
 import openai
@@ -149,3 +152,45 @@ async def test_client_disconnect_cancels_upstream(engine):
         assert counter(router, "failover_router_requests_total", code="client_gone") + \
             counter(router, "failover_router_requests_total", code="200") <= 3
         assert inst.role == states.PRIMARY and not inst.suspect
+
+
+async def test_standalone_cli_router(engine, procs, tmp_path):
+    """`failover router` alone in front of an engine it did not start: serves, stops on SIGTERM."""
+    port = free_port()
+    dead = f"http://127.0.0.1:{free_port()}"
+    proc = procs.python("-m", "failover", "router", "--backend", f"eng={engine.url}", "--standby", f"spare={dead}",
+                        "--port", str(port), "--log-level", "warning", stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as s:
+        for _ in range(200):
+            try:
+                async with s.get(url + "/ready") as r:
+                    if r.status == 200:
+                        break
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.05)
+        async with s.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3}) as r:
+            assert r.status == 200 and r.headers["X-Failover-Instance"] == "eng"
+            assert len((await r.json())["choices"][0]["token_ids"]) == 3
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0
+
+
+async def test_cli_refuses_bad_usage(tmp_path):
+    async def run(*args):
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "failover", "router", *args,
+                                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+        return proc.returncode, err.decode()
+    code, err = await run()
+    assert code == 2 and "--backend" in err
+    code, err = await run("--backend", "nourl")
+    assert code == 2 and "NAME=http" in err
+    code, err = await run("--backend", "a=http://127.0.0.1:1", "--standby", "a=http://127.0.0.1:2")
+    assert code == 2 and "unique" in err
+    token = tmp_path / "token"
+    token.write_text("t\n")
+    token.chmod(0o644)
+    code, err = await run("--backend", "a=http://127.0.0.1:1", "--port", "0", "--admin-token-file", str(token))
+    assert code == 1 and "chmod 600" in err
