@@ -56,7 +56,10 @@ class Connection:
     def request(self, msg, expect: type, *, max_fds: int = 0):
         """Send ``msg``; return the reply (or ``(reply, fds)`` when ``max_fds``), errors raised typed."""
         try:
-            framing.send_frame(self.sock, msg)
+            try:
+                framing.send_frame(self.sock, msg)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the daemon may have refused us and closed already: its reason is still readable
             reply, fds = framing.recv_frame(self.sock, max_fds=max_fds)
         except TimeoutError:
             raise ProtocolError("the cache daemon did not answer in time", "timeout") from None

@@ -10,11 +10,12 @@ import signal
 import pytest
 
 from cache_daemon import cli
-from cache_daemon.client import ping
+from cache_daemon.client import attach, ping
+from cache_daemon.fingerprint import make_config
 from failover.cli import main as failover_main
 from failover.tiny_model import TinySpec, write_checkpoint
-from cache_daemon_helpers import arena_fds, child, gone, start_daemon, stop_daemon
-from test_cache_daemon import disk_digests
+from cache_daemon_helpers import arena_fds, arena_mappings, gone, start_daemon, stop_daemon
+from test_cache_daemon import digests, disk_digests
 
 
 def test_sigterm_exits_cleanly_and_removes_its_files(tiny_model, run_dir, procs):
@@ -32,17 +33,14 @@ def test_sigterm_exits_cleanly_and_removes_its_files(tiny_model, run_dir, procs)
 
 def test_mapping_survives_sigkill_and_stale_files_are_cleaned(tiny_model, run_dir, procs):
     proc = start_daemon(procs, tiny_model, run_dir)
-    kid = child(procs, "hold", run_dir / "daemon.sock", tiny_model, tp=1, ranks=(0,))
-    before = json.loads(kid.stdout.readline())
-    assert stop_daemon(proc, signal.SIGKILL)[0] == -signal.SIGKILL
-    assert (run_dir / "daemon.sock").exists()  # a dead daemon's socket stays behind
-    assert not ping(run_dir / "daemon.sock")
-    kid.stdin.write("again\n")
-    kid.stdin.flush()
-    after = json.loads(kid.stdout.readline())
-    _, err = kid.communicate(timeout=30)
-    assert kid.returncode == 0, err
-    assert before == after == {"0": disk_digests(tiny_model, 0, tp=1)}
+    want = disk_digests(tiny_model, 0, tp=1)
+    with attach(run_dir / "daemon.sock", make_config(tiny_model, dtype="float32", tp_size=1, tp_rank=0)) as mapped:
+        assert digests(mapped.tensors) == want
+        assert stop_daemon(proc, signal.SIGKILL)[0] == -signal.SIGKILL
+        assert (run_dir / "daemon.sock").exists()  # a dead daemon's socket stays behind
+        assert not ping(run_dir / "daemon.sock")
+        assert digests(mapped.tensors) == want  # this client's mapping outlived the daemon
+    assert arena_fds() == [] and arena_mappings() == []
     # the next daemon removes the stale socket and ready file and serves again
     again = start_daemon(procs, tiny_model, run_dir)
     assert ping(run_dir / "daemon.sock")
@@ -65,10 +63,11 @@ def test_live_daemon_is_refused_unless_forced(tiny_model, run_dir, procs):
 
 def test_fp8_block_through_the_daemon_matches_disk(tiny_model, run_dir, procs):
     proc = start_daemon(procs, tiny_model, run_dir, "--transform", "fp8-block")
-    kid = child(procs, "hash", run_dir / "daemon.sock", tiny_model, ranks=(0,), transform="fp8-block")
-    out, err = kid.communicate(timeout=60)
-    assert kid.returncode == 0, err
-    assert json.loads(out)["0"] == disk_digests(tiny_model, 0, tp=1, transform="fp8-block")
+    config = make_config(tiny_model, dtype="float32", tp_size=1, tp_rank=0, transform="fp8-block")
+    with attach(run_dir / "daemon.sock", config) as mapped:
+        assert digests(mapped.tensors) == disk_digests(tiny_model, 0, tp=1, transform="fp8-block")
+        entry = next(e for e in mapped.manifest.tensors if e.name.endswith("q_proj.weight"))
+        assert entry.dtype == "float8_e4m3fn" and entry.attrs["scale"] == entry.name + "_scale_inv"
     assert stop_daemon(proc)[0] == 0
 
 
