@@ -340,7 +340,8 @@ class Supervisor:
         (run / "supervisor.pid").unlink(missing_ok=True)
         if self._made_token:
             self.config.token_path.unlink(missing_ok=True)
-        if self._made_run_dir:
+        # A managed node owns its run dir (also one a crashed run left); an external daemon lives there.
+        if self._made_run_dir or self.daemon.managed:
             try:
                 run.rmdir()
             except OSError as e:  # not empty: someone else's files; say which

@@ -111,3 +111,42 @@ def test_demo_exits_0_and_its_figures_parse():
     assert figures["relaunch_weights_source"] == "cache" and figures["relaunch_launch"] == "zygote"
     assert figures["leftover_processes"] == "0" and figures["leftover_run_dir"] == "0"
     assert "kill -9" in res.stdout
+
+
+def test_hung_primary_is_fenced_and_replaced(procs, tiny_model, run_dir):
+    n = Node(procs, tiny_model, run_dir, supervisor={"stop_timeout": 1.0})
+    try:
+        primary, standby = wait_until(n.serving_pair, 30, "a ready pair")
+        load = Load(n.url, workers=2)
+        load.start()
+        wait_until(lambda: load.total() >= 3, 30, "some traffic")
+        os.kill(primary["pid"], signal.SIGSTOP)  # alive, holding its port, answering nothing
+        wait_until(lambda: n.role("primary")["name"] == standby["name"], 15, "the probe-driven switch")
+        # the router asks the supervisor to fence it: SIGTERM, then SIGKILL (a stopped process ignores TERM)
+        wait_until(lambda: not alive(primary["pid"]), 15, "the hung engine fenced")
+        wait_until(lambda: (p := n.serving_pair()) and p[1]["name"] == primary["name"]
+                   and p[1]["pid"] != primary["pid"], 30, "its replacement as standby")
+        seen = load.total()
+        wait_until(lambda: load.total() >= seen + 3, 30, "traffic after the fence")
+        load.stop()
+        assert load.failures == [], load.failures[:5]
+        assert '"reason": "fenced by the router"' in n.log()
+    finally:
+        n.stop()
+
+
+def test_supervisor_sigkill_leaves_no_orphan_and_the_run_dir_is_reusable(procs, tiny_model, run_dir):
+    n = Node(procs, tiny_model, run_dir)
+    wait_until(n.serving_pair, 30, "a ready pair")
+    n.status()
+    pids = set(n.seen_pids)
+    assert len(pids) == 4  # daemon, zygote, two engines
+    n.proc.kill()
+    n.proc.wait(10)
+    n._log.close()
+    wait_until(lambda: not any(alive(p) for p in pids), 15, "every child gone with the supervisor")
+    assert not (n.run_dir / "daemon.sock").exists()  # the daemon got SIGTERM and cleaned up
+    # a stale pid file does not block the next `failover up` on the same run dir
+    n2 = Node(procs, tiny_model, run_dir)
+    wait_until(n2.serving_pair, 30, "the node back")
+    n2.stop()
