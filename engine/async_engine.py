@@ -90,6 +90,15 @@ class AsyncEngine:
                 self._inbox.put(("abort", seq.id))
                 self._wake.set()
 
+    async def grow_kv(self, budget: int, max_batch: int) -> int:
+        """Grow the KV pool between two steps (see ``LLMEngine.grow_kv``); returns the slot count."""
+        if self.error is not None:
+            raise EngineDead(str(self.error))
+        done = self._loop.create_future()
+        self._inbox.put(("grow", (budget, max_batch, done)))
+        self._wake.set()
+        return await done
+
     # --- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -132,8 +141,17 @@ class AsyncEngine:
             changed = True
             if op == "add":
                 self.engine.add(arg)
-            else:
+            elif op == "abort":
                 self.engine.abort(arg)
+            else:
+                self._grow(*arg)
+
+    def _grow(self, budget: int, max_batch: int, done: asyncio.Future) -> None:
+        try:
+            result, error = self.engine.grow_kv(budget, max_batch), None
+        except RuntimeError as e:  # out of memory: the pool stays as it was
+            result, error = None, e
+        self._loop.call_soon_threadsafe(_settle, done, result, error)
 
     # --- event loop ----------------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:

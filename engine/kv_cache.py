@@ -46,6 +46,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots = slots
         self.max_len = max_len
+        self.bytes_per_slot = self.nbytes // slots
 
     @classmethod
     def from_budget(cls, budget: int, max_batch: int, layers: int, kv_heads: int, max_len: int,
@@ -57,6 +58,18 @@ class KVCache:
                                 f"(one needs {per_slot} bytes per rank); raise --kv-memory or lower "
                                 f"--max-model-len")
         return cls(layers, slots, kv_heads, max_len, head_dim, dtype, device)
+
+    def grow(self, slots: int) -> None:
+        """More slots, existing ones kept in place (a standby taking over the memory a dead primary
+        released). Peak memory is old + new pool while the running slots are copied over."""
+        assert slots > self.num_slots
+        # allocate both first: an out-of-memory error leaves the pool as it was
+        new_k, new_v = (torch.zeros((t.shape[0], slots, *t.shape[2:]), dtype=t.dtype, device=t.device)
+                        for t in (self.k, self.v))
+        new_k[:, :self.num_slots] = self.k
+        new_v[:, :self.num_slots] = self.v
+        self.k, self.v = new_k, new_v
+        self.num_slots = slots
 
     @property
     def nbytes(self) -> int:

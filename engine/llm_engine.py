@@ -81,6 +81,17 @@ class LLMEngine:
                                          len(seq.prompt_ids), seq.num_completion, 1))
         return outputs
 
+    def grow_kv(self, budget: int, max_batch: int) -> int:
+        """Grow the KV pool to what ``budget`` bytes (per rank) hold, up to ``max_batch`` slots; never
+        shrinks. Runs between steps on every rank. Returns the slot count."""
+        kv = self.runner.kv
+        slots = min(max_batch, budget // kv.bytes_per_slot)
+        if slots > kv.num_slots:
+            old = kv.num_slots
+            self.runner.run(StepPlan("grow", (slots,)))
+            self.scheduler.add_slots(range(old, slots))
+        return kv.num_slots
+
     def warmup(self) -> None:
         """One prefill and one decode through the whole stack (every rank), so the first request
         pays no lazy initialisation; leaves no sequence behind."""

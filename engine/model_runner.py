@@ -25,7 +25,7 @@ class StepPlan:
     """prefill: ``tokens`` holds each row's whole sequence (positions 0..len-1; rows are padded on the
     right to the longest). decode: one token per row at ``positions``. stop: the group shuts down."""
 
-    kind: str  # "prefill" | "decode" | "stop"
+    kind: str  # "prefill" | "decode" | "grow" (slots[0] = new slot count) | "stop"
     slots: tuple[int, ...] = ()
     tokens: tuple = ()  # prefill: tuple of tuples of ids; decode: one id per row
     positions: tuple[int, ...] = ()
@@ -60,7 +60,11 @@ class ModelRunner:
             self.execute(box[0])
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor:
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        if plan.kind == "grow":
+            self.kv.grow(plan.slots[0])
+            log.info("kv_cache_grown", slots=self.kv.num_slots, bytes=self.kv.nbytes)
+            return None
         dev = self.device
         slots = torch.tensor(plan.slots, dtype=torch.long, device=dev)
         if plan.kind == "prefill":

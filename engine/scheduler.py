@@ -77,6 +77,9 @@ class Scheduler:
                 return seq
         return None
 
+    def add_slots(self, slots: range) -> None:
+        self.free_slots = sorted([*self.free_slots, *slots], reverse=True)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

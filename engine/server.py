@@ -55,6 +55,7 @@ class EngineServer:
             web.get("/health", self.health),
             web.get("/ready", self.ready),
             web.get("/metrics", self.metrics_page),
+            web.post("/admin/kv", self.grow_kv),
         ])
 
     def set_ready(self, ctx: ServingContext, info: dict) -> None:
@@ -93,6 +94,27 @@ class EngineServer:
         card = {"id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "failover",
                 "max_model_len": self.ctx.max_len if self.ctx else None}
         return web.json_response({"object": "list", "data": [card]})
+
+    async def grow_kv(self, request: web.Request) -> web.Response:
+        """``{"kv_memory": BYTES}``: grow the KV pool (per rank) to that budget, never shrink. For a
+        standby promoted into memory a dead primary or an evicted batch engine released."""
+        if self.state != "ready":
+            raise ApiError(503, f"the engine is {self.state}", type="service_unavailable", code="not_ready")
+        body = await _read_json(request, self.cfg.max_body_bytes)
+        budget = body.get("kv_memory") if isinstance(body, dict) else None
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
+            raise ApiError(400, "'kv_memory' must be a positive integer (bytes per rank)", param="kv_memory")
+        try:
+            slots = await self.engine.grow_kv(budget, self.cfg.max_batch)
+        except EngineDead as e:
+            raise ApiError(500, f"the engine failed: {e}", type="server_error") from e
+        except RuntimeError as e:
+            raise ApiError(507, f"cannot grow the KV cache to {budget} bytes: {e}", type="server_error",
+                           code="out_of_memory") from e
+        kv = self.engine.engine.runner.kv
+        self.info.update(kv_slots=slots, kv_bytes=kv.nbytes)
+        log.info("kv_grown", slots=slots, bytes=kv.nbytes)
+        return web.json_response({"kv_slots": slots, "kv_bytes": kv.nbytes})
 
     # --- generation -----------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -44,6 +44,26 @@ def test_more_requests_than_slots_wait_for_a_slot(tiny_model):
     assert sorted(small.scheduler.free_slots) == [0, 1]
 
 
+def test_kv_pool_grows_under_running_sequences(tiny_model):
+    small = build_llm_engine(tiny_model, max_batch=4, kv_memory=256 << 10)  # one 256 KiB slot
+    alone = {}
+    for i, p in enumerate(PROMPTS):
+        alone |= run_engine(small, [make_seq(f"r{i}", p, max_tokens=8, ignore_eos=True)])
+    seqs = [make_seq(f"r{i}", p, max_tokens=8, ignore_eos=True) for i, p in enumerate(PROMPTS)]
+    for seq in seqs:
+        small.add(seq)
+    results = {}
+    for step in range(200):
+        if step == 3:
+            assert small.grow_kv(10 << 20, max_batch=4) == 4  # capped by max_batch
+        for out in small.step():
+            results.setdefault(out.seq_id, []).extend(out.token_ids)
+        if not small.has_work():
+            break
+    assert results == {k: v[0] for k, v in alone.items()}
+    assert small.grow_kv(1, max_batch=4) == 4  # never shrinks
+
+
 def test_seeded_sampling_is_reproducible_and_seed_dependent(engine):
     def run(seed):
         seq = make_seq("s", PROMPTS[1], seed=seed, temperature=1.0, top_p=0.9, max_tokens=16, ignore_eos=True)

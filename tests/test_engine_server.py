@@ -244,9 +244,14 @@ sys.exit(os.waitstatus_to_exitcode(status))
 def test_main_runs_in_a_forked_child_of_a_process_that_imported_engine(tiny_model, procs):
     port = free_port()
     proc = procs.python("-c", FORK_SCRIPT, "--model", str(tiny_model), "--port", str(port), "--weights", "disk",
-                        "--served-model-name", MODEL)
-    wait_engine_ready(proc, port)
+                        "--served-model-name", MODEL, "--kv-memory", "256K")
+    assert wait_engine_ready(proc, port)["kv_slots"] == 1
     status, text = post(port, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3})
     assert status == 200, text
+    # a standby's pool grows into memory that was freed (POST /admin/kv)
+    assert post(port, "/admin/kv", {"kv_memory": "1M"})[0] == 400
+    status, text = post(port, "/admin/kv", {"kv_memory": 1 << 20})
+    assert status == 200 and json.loads(text)["kv_slots"] == 4
+    assert get(port, "/ready")[1]["kv_slots"] == 4
     procs.stop_all()
     assert proc.returncode == 0
