@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import math
 import os
@@ -32,20 +33,19 @@ from failover.tiny_model import TinySpec, hf_config, tensor_shapes  # noqa: E402
 
 FILE_BYTES = 2 << 30  # bytes per safetensors file
 
-TOUCH = r"""
 def touch(tensors, device):
-    # read one byte of every 4 KiB page, so every page is resident and mapped in this process
+    """Read one byte of every 4 KiB page, so every page is resident and mapped in this process."""
     import torch
+
     for t in tensors.values():
         flat = t.reshape(-1).view(torch.uint8)
         if flat.numel():
             flat[::4096].sum()
     if device == "cuda":
         torch.cuda.synchronize()
-"""
-exec(TOUCH)
 
-CHILD = TOUCH + r"""
+
+CHILD = inspect.getsource(touch) + r"""
 import json, sys, time
 t0 = time.perf_counter()
 import torch
@@ -150,8 +150,6 @@ def evict_page_cache(model: Path) -> None:
 def disk_load(model: Path, dtype: str, device: str, cold: bool) -> tuple[float, dict]:
     """load_shards, then on cuda a copy to the GPU, on cpu a read of every page (safetensors maps the
     file lazily: without it the bytes would not be in memory yet)."""
-    import torch
-
     from cache_daemon.checkpoint import load_shards
 
     if cold:

@@ -24,8 +24,8 @@ from .errors import (AccessDenied, CacheError, DaemonUnavailable, FingerprintMis
                      ProtocolError)
 from .fingerprint import CacheConfig
 from .manifest import Manifest, views
-from .protocol import (MAX_FDS, PROTOCOL_VERSION, Error, Fetch, FetchReply, Hello, Ping, Pong, Query,
-                       QueryReply, Status, StatusReply, Welcome)
+from .protocol import (MAX_FDS, PROTOCOL_VERSION, Error, Evict, Evicted, Fetch, FetchReply, Hello, Ping,
+                       Pong, Query, QueryReply, Status, StatusReply, Welcome)
 
 
 class Connection:
@@ -174,6 +174,16 @@ def query(socket_path, config: CacheConfig, *, timeout: float = 10.0) -> QueryRe
     conn = Connection(socket_path, timeout=timeout)
     try:
         return conn.request(Query(config), QueryReply)
+    finally:
+        conn.close()
+
+
+def evict(socket_path, config: CacheConfig, *, timeout: float = 10.0) -> int:
+    """Make the daemon drop ``config``'s arena; returns its bytes. Clients that mapped it keep their
+    mapping (the memory is freed when the last of them unmaps)."""
+    conn = Connection(socket_path, timeout=timeout)
+    try:
+        return conn.request(Evict(config), Evicted).nbytes
     finally:
         conn.close()
 

@@ -13,7 +13,6 @@ import asyncio
 import os
 import signal
 import socket
-import sys
 from dataclasses import dataclass, field
 
 import structlog
@@ -21,14 +20,14 @@ import structlog
 from . import framing, runfiles
 from .errors import FingerprintMismatch, NotResident, ProtocolError
 from .peers import peer_allowed, peer_credentials
-from .protocol import (MAX_FDS, PROTOCOL_VERSION, Error, Evict, Evicted, Fetch, FetchReply, Hello,
-                       LoadFailed, Ping, Pong, Query, QueryReply, Register, Registered, Status,
-                       StatusReply, Welcome)
+from .loading import run_loader
+from .protocol import (PROTOCOL_VERSION, Error, Evict, Evicted, Fetch, FetchReply, Hello, Ping, Pong, Query,
+                       QueryReply, Status, StatusReply, Welcome)
 from .residents import Registry, Resident
 from .settings import DaemonSettings
 
 log = structlog.get_logger(__name__)
-STOP_TIMEOUT_S = 5.0
+STOP_TIMEOUT_S = 5.0  # per shutdown step
 RESYNCABLE = ("unknown_type", "malformed")  # the whole frame was read: the stream is still in step
 
 
@@ -94,31 +93,8 @@ class Daemon:
 
     # ---- the loader child --------------------------------------------------------------------
 
-    def _loader_cmd(self, channel_fd: int) -> list[str]:
-        s = self.s
-        return [sys.executable, "-m", "cache_daemon.loader", "--model", str(s.model), "--dtype", s.dtype,
-                "--tp", str(s.tp), "--device", s.device, "--transform", s.transform,
-                "--chunk-bytes", str(s.chunk_bytes), "--channel-fd", str(channel_fd),
-                "--parent-pid", str(os.getpid()), "--log-level", s.log_level]
-
     async def _load(self) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        proc = None
-        try:
-            proc = await asyncio.create_subprocess_exec(*self._loader_cmd(theirs.fileno()),
-                                                        pass_fds=(theirs.fileno(),), stdin=asyncio.subprocess.DEVNULL)
-            theirs.close()
-            ours.setblocking(False)
-            log.info("loader_started", pid=proc.pid)
-            failure = await self._receive_ranks(ours)
-            rc = await proc.wait()
-            if failure is None and rc != 0:
-                failure = f"loader exited with status {rc} after registering every rank"
-        finally:
-            theirs.close()
-            ours.close()
-            if proc is not None and proc.returncode is None:
-                await _end(proc)
+        failure = await run_loader(self.s, self.registry)
         if failure is not None:
             log.error("load_failed", message=failure)
             self.failure = failure
@@ -128,24 +104,6 @@ class Daemon:
         runfiles.write_ready(self.s.ready_path, socket_path=self.s.socket_path,
                              fingerprints=self.registry.fingerprints())
         log.info("daemon_ready", ranks=len(self.registry), bytes=sum(m.nbytes for m in self.registry.status()))
-
-    async def _receive_ranks(self, chan: socket.socket) -> str | None:
-        """Take each rank's registration; None when every rank arrived, else why not."""
-        while len(self.registry) < self.s.tp:
-            try:
-                msg, fds = await framing.async_recv_frame(chan, max_fds=MAX_FDS)
-            except ProtocolError as e:
-                return f"loader channel broke: {e} (see the loader's log above)"
-            if isinstance(msg, LoadFailed):
-                return f"{msg.code}: {msg.message}"
-            if not isinstance(msg, Register) or len(fds) != msg.nfds or msg.nfds != msg.manifest.nfds:
-                framing.close_fds(fds)
-                return f"loader sent {type(msg).__name__} with {len(fds)} fds: a loader bug"
-            self.registry.add(msg.config, msg.manifest, fds)
-            log.info("rank_registered", rank=msg.config.tp_rank, key=msg.config.key, bytes=msg.manifest.nbytes,
-                     fds=len(fds))
-            await framing.async_send_frame(chan, Registered())
-        return None
 
     # ---- clients -----------------------------------------------------------------------------
 
@@ -266,13 +224,3 @@ class Daemon:
         return StatusReply(pid=os.getpid(), version=PROTOCOL_VERSION, loading=self.loading,
                            models=self.registry.status(), clients=len(self.conns),
                            attached=sum(1 for c in self.conns if c.attached))
-
-
-async def _end(proc: asyncio.subprocess.Process) -> None:
-    """SIGTERM, then SIGKILL after STOP_TIMEOUT_S."""
-    proc.terminate()
-    try:
-        await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        proc.kill()
-        await proc.wait()

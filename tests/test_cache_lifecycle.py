@@ -10,7 +10,8 @@ import signal
 import pytest
 
 from cache_daemon import cli
-from cache_daemon.client import attach, ping
+from cache_daemon.client import attach, evict, ping, status
+from cache_daemon.errors import NotResident
 from cache_daemon.fingerprint import make_config
 from failover.cli import main as failover_main
 from failover.tiny_model import TinySpec, write_checkpoint
@@ -29,6 +30,20 @@ def test_sigterm_exits_cleanly_and_removes_its_files(tiny_model, run_dir, procs)
     rc, err = stop_daemon(proc, signal.SIGINT)
     assert rc == 0, err
     assert list(run_dir.iterdir()) == []
+
+
+def test_evict_frees_the_daemon_side_and_keeps_client_mappings(tiny_model, run_dir, procs):
+    proc = start_daemon(procs, tiny_model, run_dir)
+    sock = run_dir / "daemon.sock"
+    config = make_config(tiny_model, dtype="float32", tp_size=1, tp_rank=0)
+    with attach(sock, config) as mapped:
+        assert evict(sock, config) == mapped.manifest.nbytes
+        assert status(sock).models == [] and arena_fds(proc.pid) == []
+        assert not (run_dir / "daemon.ready").exists()  # nothing resident: not ready
+        assert digests(mapped.tensors) == disk_digests(tiny_model, 0, tp=1)
+        with pytest.raises(NotResident):
+            attach(sock, config)
+    assert stop_daemon(proc)[0] == 0
 
 
 def test_mapping_survives_sigkill_and_stale_files_are_cleaned(tiny_model, run_dir, procs):
