@@ -38,7 +38,8 @@ def machine() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     return (f"host={platform.node()} cpu=\"{cpu}\" cores={os.cpu_count()} gpu=\"{gpu}\" "
-            f"python={platform.python_version()} torch={torch.__version__} kernel={platform.release()}")
+            f"python={platform.python_version()} torch={torch.__version__} kernel={platform.release()} "
+            f"loadavg={' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 def config_for(a: argparse.Namespace, workdir: Path, model: Path, launch: str):
@@ -110,6 +111,7 @@ async def main_async(a: argparse.Namespace, workdir: Path) -> int:
         print(f"{launch}_weights_ms_median={statistics.median(r['weights_ms'] for r in rounds):.1f}")
     if "zygote" in medians and "spawn" in medians:
         print(f"speedup_spawn_over_zygote={medians['spawn'] / medians['zygote']:.2f}")
+    print(f"loadavg_end={' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     mapped = all(r["weights_source"] == "cache" for rs in results.values() for r in rs)
     print(f"weights_mapped_not_reloaded={int(mapped)}")
     return 0 if mapped else 1
