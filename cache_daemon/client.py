@@ -19,6 +19,8 @@ import os
 import socket
 from pathlib import Path
 
+import structlog
+
 from . import framing
 from .errors import (AccessDenied, CacheError, DaemonUnavailable, FingerprintMismatch, NotResident,
                      ProtocolError)
@@ -26,6 +28,8 @@ from .fingerprint import CacheConfig
 from .manifest import Manifest, views
 from .protocol import (MAX_FDS, PROTOCOL_VERSION, Error, Evict, Evicted, Fetch, FetchReply, Hello, Ping,
                        Pong, Query, QueryReply, Status, StatusReply, Welcome)
+
+log = structlog.get_logger(__name__)
 
 
 class Connection:
@@ -101,7 +105,9 @@ class MappedWeights:
         """Unmap. Every tensor the caller took from :attr:`tensors` must be gone by now."""
         self.tensors = {}
         for m in self._mappings:
-            m.close()
+            if m.close() is False:
+                log.warning("mapping_still_referenced",
+                            detail="tensors of this mapping are still alive: it is unmapped when the last goes")
         self._mappings = []
         self._conn.close()
 
