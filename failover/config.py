@@ -248,6 +248,8 @@ def _check_template(key: str, command: list[str]) -> list[str]:
 def preflight(config: Config) -> None:
     """Check the machine before anything starts: model files, tp split, free ports, run dir."""
     problems = _check_model(config.model)
+    if not problems:
+        problems += _check_memory(config)
     ports = [("router.port", config.router.host, config.router.port)]
     for i, svc in enumerate(config.service):
         ports += [(f"service[{i}] ({svc.name})", "127.0.0.1", p) for p in svc.ports]
@@ -262,6 +264,50 @@ def preflight(config: Config) -> None:
                         "stop it, or use another run_dir")
     if problems:
         raise ConfigError(config.source, problems)
+
+
+def _check_memory(config: Config) -> list[str]:
+    """KV budgets of every instance plus one copy of the weights must fit in free memory."""
+    kv = sum(svc.kv_memory_bytes * svc.instances for svc in config.service)
+    weights = sum(f.stat().st_size for f in Path(config.model.path).glob("*.safetensors"))
+    if config.model.device == "cpu":
+        free, where = _mem_available(), "MemAvailable in /proc/meminfo"
+    else:
+        weights //= config.model.tp
+        free, where = _gpu_free(), "free memory of the emptiest GPU (nvidia-smi)"
+    if free is None or kv + weights <= free:
+        return []
+    gib = 1 << 30
+    return [f"service[*].kv_memory: the instances' KV budgets ({kv / gib:.1f} GiB) plus the weights "
+            f"({weights / gib:.1f} GiB) exceed {where} ({free / gib:.1f} GiB); lower kv_memory or standbys"]
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _gpu_free() -> int | None:
+    """Without a CUDA context (the supervisor never makes one): ask nvidia-smi, if there is one."""
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    values = [int(v) for v in out.split() if v.strip().isdigit()]
+    return min(values) << 20 if values else None
 
 
 def _live_supervisor(run: Path) -> int | None:

@@ -82,6 +82,12 @@ def test_two_services_on_one_port(tiny_model, run_dir):
     assert "service[1].port: port" in msg and "also used by service[0] (chat)" in msg
 
 
+def test_kv_budgets_that_do_not_fit_in_memory(tiny_model, run_dir):
+    path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir, service_extra={"kv_memory": "100TiB"})
+    msg = error_of(path, machine=True)
+    assert "service[*].kv_memory: the instances' KV budgets" in msg and "MemAvailable" in msg
+
+
 def test_not_enough_ports_for_the_standbys(tiny_model, run_dir):
     path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir,
                         service_extra={"port": None, "port_range": [20001, 20001], "standbys": 2})
