@@ -123,7 +123,10 @@ class AsyncEngine:
             self.error = e
             self._loop.call_soon_threadsafe(self._fail_all, e)
             return
-        self.engine.runner.run(StepPlan("stop"))
+        try:
+            self.engine.runner.run(StepPlan("stop"))
+        except RuntimeError as e:  # a rank already gone: the process stop ends the others
+            log.warning("tp_stop_failed", error=str(e))
 
     def _report(self) -> None:
         if self._on_step is not None:

@@ -82,7 +82,7 @@ async def serve(cfg: EngineConfig, model_cfg: ModelConfig, argv: list[str]) -> i
     await stop.wait()
     watch_task.cancel()
 
-    if server.state == "ready":  # 1-2: stop admitting, let in-flight requests finish
+    if server.state == "ready" and outcome["code"] == 0:  # 1-2: stop admitting, let in-flight finish
         await server.drain(cfg.drain_timeout)
     ready_task.cancel()
     await runner.cleanup()  # 3
