@@ -24,6 +24,7 @@ import struct
 import sys
 import time
 import traceback
+import warnings
 
 import msgspec
 
@@ -184,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
 
     set_process_name("fo:zygote")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
+    # Python >= 3.12 warns at every fork of a process with more than one thread. `import torch`
+    # starts one native helper thread (parked on a futex, holding no lock a child needs); the zygote
+    # itself runs no Python thread, no torch op and no event loop, so the fork is the safe kind.
+    warnings.filterwarnings("ignore", message=r"This process .* is multi-threaded", category=DeprecationWarning)
     sock = socket.socket(fileno=a.fd)
     preload = [m for m in a.preload.split(",") if m]
     t0 = time.perf_counter()
