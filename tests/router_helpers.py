@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -150,42 +149,56 @@ class Outcome:
     stream: bool
     text: str
     token_ids: list[int]
+    chat: bool = False
+
+
+def _ids(choice) -> list[int]:
+    return list((choice.model_extra or {}).get("token_ids") or [])  # our engine's extension field
 
 
 async def complete(c: openai.AsyncOpenAI, prompt: str, stream: bool, max_tokens: int = MAX_TOKENS,
-                   midstream: set | None = None) -> Outcome:
+                   midstream: set | None = None, chat: bool = False) -> Outcome:
+    args = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0}
+    create = c.chat.completions.create if chat else c.completions.create
+    args |= {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
     if not stream:
-        res = await c.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0)
-        ch = res.choices[0]
-        return Outcome(prompt, False, ch.text, list((ch.model_extra or {}).get("token_ids") or []))
+        ch = (await create(**args)).choices[0]
+        return Outcome(prompt, False, ch.message.content if chat else ch.text, _ids(ch), chat)
     text, ids, ids_seen = "", [], set()
-    s = await c.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                   stream=True)
+    s = await create(**args, stream=True)
     token = object()
     try:
         async for chunk in s:
             ids_seen.add(chunk.id)
             for ch in chunk.choices:
-                text += ch.text or ""
-                ids += (ch.model_extra or {}).get("token_ids") or []
+                text += (ch.delta.content if chat else ch.text) or ""
+                ids += _ids(ch)
             if midstream is not None and ids:
                 midstream.add(token)  # this stream is under way: a kill now must migrate it
     finally:
         if midstream is not None:
             midstream.discard(token)
     assert len(ids_seen) == 1, f"a migrated stream must keep one id, saw {ids_seen}"
-    return Outcome(prompt, True, text, ids)
+    return Outcome(prompt, True, text, ids, chat)
 
 
-async def reference(c: openai.AsyncOpenAI, prompts=PROMPTS) -> dict[str, Outcome]:
+async def reference(c: openai.AsyncOpenAI, prompts=PROMPTS, chat: bool = False) -> dict[str, Outcome]:
     """Greedy output of uninterrupted, non-streamed runs: what every interrupted one must equal."""
-    outs = await asyncio.gather(*(complete(c, p, False) for p in prompts))
+    outs = await asyncio.gather(*(complete(c, p, False, chat=chat) for p in prompts))
     return {o.prompt: o for o in outs}
+
+
+async def references(c: openai.AsyncOpenAI) -> dict[tuple[str, bool], Outcome]:
+    """References for what Load sends: every prompt as a completion and as a chat."""
+    ref = {}
+    for chat in (False, True):
+        ref |= {(p, chat): o for p, o in (await reference(c, chat=chat)).items()}
+    return ref
 
 
 @dataclass
 class Load:
-    """Closed-loop clients, half streaming, half not; records every outcome and every failure."""
+    """Closed-loop clients (completions and chat, streamed and not); records every outcome and failure."""
 
     c: openai.AsyncOpenAI
     workers: int = 8
@@ -199,11 +212,12 @@ class Load:
         self._tasks = [asyncio.create_task(self._worker(i)) for i in range(self.workers)]
 
     async def _worker(self, i: int) -> None:
+        # worker i % 4: 0 streamed completion, 1 completion, 2 streamed chat, 3 chat
         n = 0
         while not self._stop.is_set():
             prompt = PROMPTS[(i + n) % len(PROMPTS)]
             try:
-                self.outcomes.append(await complete(self.c, prompt, stream=i % 2 == 0,
+                self.outcomes.append(await complete(self.c, prompt, stream=i % 2 == 0, chat=i % 4 >= 2,
                                                     midstream=self.midstream))
             except (openai.APIError, AssertionError) as exc:
                 self.errors.append(exc)
@@ -220,10 +234,10 @@ class Load:
         self._stop.set()
         await asyncio.gather(*self._tasks)
 
-    def check(self, ref: dict[str, Outcome]) -> None:
+    def check(self, ref: dict[tuple[str, bool], Outcome]) -> None:
         assert not self.errors, f"{len(self.errors)} failed requests, first: {self.errors[0]!r}"
         for o in self.outcomes:
-            want = ref[o.prompt]
+            want = ref[(o.prompt, o.chat)]
             assert o.token_ids == want.token_ids, (
                 f"{'stream' if o.stream else 'request'} for {o.prompt!r}: token ids differ from the "
                 f"uninterrupted run\n got {o.token_ids}\nwant {want.token_ids}")
@@ -271,8 +285,8 @@ def stalling_app(first: Outcome, sent: int) -> web.Application:
     async def completions(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        # Text per token is not known here, so each chunk carries the ids and the text of one chunk
-        # of the reference split evenly: the test compares ids, and text of the whole.
+        # The text of one token is not known here (no tokenizer), so chunks carry ids and no text;
+        # the test compares token ids, which is what migration must get right.
         for i in range(sent):
             chunk = {"id": "cmpl-stall", "object": "text_completion", "created": 1, "model": "tiny",
                      "choices": [{"index": 0, "text": "", "token_ids": [first.token_ids[i]],
@@ -283,7 +297,3 @@ def stalling_app(first: Outcome, sent: int) -> web.Application:
     app = web.Application()
     app.add_routes([web.get("/ready", _ready), web.post("/v1/completions", completions)])
     return app
-
-
-def python_exe() -> str:
-    return sys.executable

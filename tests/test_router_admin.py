@@ -10,8 +10,8 @@ import pytest
 from conftest import Procs
 from router import states
 from router.config import RouterConfig
-from router_helpers import (KillLauncher, Load, client, counter, reference, running_router, start_engines,
-                            wait_for)
+from router_helpers import (KillLauncher, Load, client, counter, reference, references, running_router,
+                            start_engines, wait_for)
 
 pytestmark = pytest.mark.asyncio
 TOKEN = "test-admin-token"
@@ -101,7 +101,7 @@ async def test_planned_promote_and_drain_fail_no_request(engines, config):
     async with running_router(config, launcher, primary=a, standbys=[b]) as router:
         await ready_pair(router)
         c = client(router)
-        ref = await reference(c)
+        ref = await references(c)
         load = Load(c, workers=6)
         load.start()
         await load.streaming(2)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import signal
 
 import pytest
 
 from router import states
 from router.config import RouterConfig
-from router_helpers import (KillLauncher, Load, client, counter, kill, reference, running_router, start_engines,
-                            wait_for)
+from router_helpers import (KillLauncher, Load, client, counter, kill, reference, references, running_router,
+                            start_engines, wait_for)
 
 pytestmark = pytest.mark.asyncio
 
@@ -26,7 +25,7 @@ async def test_sigkill_primary_under_load_loses_nothing(engines):
     launcher = KillLauncher(engines)
     async with running_router(RouterConfig(port=0), launcher, primary=a, standbys=[b]) as router:
         c = client(router)
-        ref = await reference(c)
+        ref = await references(c)
         load = Load(c, workers=8)
         load.start()
         await load.until(8)
@@ -73,7 +72,7 @@ async def test_sigstop_primary_is_promoted_away_by_the_probe(engines):
     try:
         async with running_router(RouterConfig(port=0), launcher, primary=a, standbys=[b]) as router:
             c = client(router)
-            ref = await reference(c)
+            ref = await references(c)
             load = Load(c, workers=4)
             load.start()
             await load.until(4)
