@@ -1,9 +1,9 @@
 """Backends: one engine instance, and the service (one primary, its standbys, its wait queue).
 
-Ownership: an Instance owns its aiohttp ClientSession (its connection pool) and knows the guards
-of the requests in flight to it. Fencing fires those guards (each is an ``asyncio.timeout``, so
-firing it raises TimeoutError inside exactly that request, even one blocked on a hung engine;
-closing the pool alone would not wake a reader whose peer went silent).
+Ownership: an Instance owns its aiohttp ClientSession (its connection pool) and knows the
+attempts in flight to it. Fencing aborts them: each attempt runs under an ``asyncio.timeout`` guard,
+and firing it raises TimeoutError inside exactly that request, even one blocked on a hung engine
+(closing the pool alone does not wake a reader whose peer went silent).
 """
 
 from __future__ import annotations
@@ -15,6 +15,32 @@ import aiohttp
 
 from router import states
 from router.errors import NoPrimary
+
+
+class Attempt:
+    """One upstream request in flight. Its guard fires only while armed: around a write to the
+    client it is not, so an abort never lands between "bytes handed to the client" and "those
+    tokens recorded as sent"; it is then noticed when the attempt re-arms."""
+
+    __slots__ = ("guard", "armed", "aborted")
+
+    def __init__(self) -> None:
+        self.guard = asyncio.timeout(None)
+        self.armed = True
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.armed:
+            self.guard.reschedule(asyncio.get_running_loop().time())
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def rearm(self) -> bool:
+        """Arm again; False when an abort came in meanwhile (the caller stops this attempt)."""
+        self.armed = True
+        return not self.aborted
 
 
 class Instance:
@@ -34,7 +60,7 @@ class Instance:
         self.probe_latency: float | None = None
         self.last_ok: float | None = None  # monotonic time of the last good response or chunk
         self.inflight = 0
-        self.guards: set[asyncio.Timeout] = set()  # one per in-flight upstream attempt
+        self.attempts: set[Attempt] = set()  # upstream requests in flight
         self.idle = asyncio.Event()
         self.idle.set()
         self._session: aiohttp.ClientSession | None = None
@@ -56,10 +82,9 @@ class Instance:
 
     def abort_inflight(self) -> int:
         """Make every request in flight to this instance fail now (they retry or migrate)."""
-        now = asyncio.get_running_loop().time()
-        for guard in self.guards:
-            guard.reschedule(now)
-        return len(self.guards)
+        for attempt in self.attempts:
+            attempt.abort()
+        return len(self.attempts)
 
     def begin(self) -> None:
         self.inflight += 1

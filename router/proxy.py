@@ -17,7 +17,7 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from router.backend import Instance, Service
+from router.backend import Attempt, Instance, Service
 from router.config import RouterConfig
 from router.errors import BackendFailed, NoPrimary
 from router.metrics import Metrics
@@ -118,15 +118,15 @@ class Proxy:
     async def _attempt(self, request: web.Request, service: Service, inst: Instance, body: bytes,
                        headers: CIMultiDict, relay: StreamRelay | None, t0: float) -> web.StreamResponse:
         session = inst.session(self.config.connect_timeout)
-        guard = asyncio.timeout(None)  # fired by Instance.abort_inflight when inst is fenced
-        inst.guards.add(guard)
+        attempt = Attempt()  # Instance.abort_inflight fires its guard when inst is fenced
+        inst.attempts.add(attempt)
         try:
-            async with guard, session.request(request.method, inst.url + request.path_qs,
+            async with attempt.guard, session.request(request.method, inst.url + request.path_qs,
                                               data=body or None, headers=headers) as up:
                 if up.status in RETRY_STATUS:
                     raise BackendFailed(inst.name, "unavailable", f"answered {up.status}")
                 if relay is not None and up.status == 200 and up.content_type == "text/event-stream":
-                    return await self._relay(service, inst, up, relay, t0)
+                    return await self._relay(service, inst, up, relay, attempt, t0)
                 data = await up.read()
                 if relay is not None and relay.started:
                     raise BackendFailed(inst.name, "rejected",
@@ -136,7 +136,7 @@ class Proxy:
         except (BackendFailed, ClientGone):
             raise
         except TimeoutError as exc:  # before OSError, of which it is a subclass
-            if guard.expired():
+            if attempt.guard.expired():
                 raise BackendFailed(inst.name, "fenced", "aborted: the instance was fenced") from exc
             kind = "connect" if isinstance(exc, aiohttp.ConnectionTimeoutError) else "reset"
             raise BackendFailed(inst.name, kind, f"timeout: {exc!r}") from exc
@@ -151,7 +151,7 @@ class Proxy:
                 raise
             raise BackendFailed(inst.name, "fenced", str(exc)) from exc
         finally:
-            inst.guards.discard(guard)
+            inst.attempts.discard(attempt)
         if up.status < 400:
             self.promoter.note_ok(inst)
         out = CIMultiDict((k, v) for k, v in up.headers.items() if k.lower() not in RESPONSE_DROP)
@@ -160,7 +160,7 @@ class Proxy:
         return web.Response(status=up.status, body=data, headers=out)
 
     async def _relay(self, service: Service, inst: Instance, up: aiohttp.ClientResponse,
-                     relay: StreamRelay, t0: float) -> web.StreamResponse:
+                     relay: StreamRelay, attempt: Attempt, t0: float) -> web.StreamResponse:
         buf = b""
         while True:
             try:
@@ -176,12 +176,15 @@ class Proxy:
                 buf = buf.replace(b"\r\n", b"\n")
             while (end := buf.find(b"\n\n")) >= 0:
                 event, buf = buf[:end], buf[end + 2:]
-                done = await relay.forward(event, inst.name)
-                self.promoter.note_ok(inst)
-                if done:
+                attempt.disarm()  # the client write: an abort now is seen at rearm(), after it
+                if await relay.forward(event, inst.name):  # [DONE]: finish still disarmed
                     await relay.finish()
+                    self.promoter.note_ok(inst)
                     self._count(service, 200, relay.first_byte_at, t0)
                     return relay.response
+                if not attempt.rearm():
+                    raise BackendFailed(inst.name, "fenced", "aborted: the instance was fenced")
+                self.promoter.note_ok(inst)
         raise BackendFailed(inst.name, "reset", "stream ended before [DONE]")
 
     async def _no_primary(self, service: Service, relay: StreamRelay | None, exc: NoPrimary) -> web.StreamResponse:

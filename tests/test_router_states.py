@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -9,7 +10,7 @@ import structlog
 
 from router import states
 from router.admin import TokenFileError, read_token
-from router.backend import Instance
+from router.backend import Attempt, Instance
 from router.config import RouterConfig
 from router.stream import _data_of, _inspect
 
@@ -92,3 +93,30 @@ def test_sse_parsing_and_chunk_inspection():
     seen = _inspect({"choices": [{"index": 1, "text": "", "token_ids": []}]}, "e")
     assert not seen.migratable  # n > 1
     assert not _inspect({"choices": [], "usage": {"completion_tokens": 3}}, "e").carried
+
+
+@pytest.mark.asyncio
+async def test_fencing_aborts_an_armed_attempt_and_waits_for_a_disarmed_one():
+    inst = make()
+    armed, writing = Attempt(), Attempt()
+    inst.attempts |= {armed, writing}
+
+    async def upstream_read(attempt: Attempt) -> str:
+        try:
+            async with attempt.guard:
+                await asyncio.sleep(10)  # a read from a hung engine
+        except TimeoutError:
+            return "aborted"
+        return "finished"
+
+    async def client_write(attempt: Attempt) -> bool:
+        async with attempt.guard:
+            attempt.disarm()
+            await asyncio.sleep(0.05)  # a slow client: this write must not be cut in half
+            return attempt.rearm()
+
+    tasks = [asyncio.create_task(upstream_read(armed)), asyncio.create_task(client_write(writing))]
+    await asyncio.sleep(0.01)
+    assert inst.abort_inflight() == 2
+    assert await tasks[0] == "aborted"
+    assert await tasks[1] is False  # the write completed; the abort is seen right after it
