@@ -11,7 +11,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 
 from cache_daemon_helpers import start_daemon, stop_daemon
 from conftest import Procs, free_port
@@ -58,20 +57,15 @@ def test_cuda_logits_from_mapped_weights_match_transformers(cuda_daemon, tiny_mo
     assert (ours - hf_logits(tiny_model, PROMPT_IDS)).abs().max().item() <= 2e-3
 
 
-def test_cuda_fp8_block_from_the_daemon(tiny_model):
-    # a checkpoint whose linear layers span several 128-blocks, served with the fp8-block transform
+def test_cuda_fp8_block_from_the_daemon(tmp_path, run_dir, procs):
+    # linear layers spanning several 128x128 blocks, served with the fp8-block transform
     from failover.tiny_model import TinySpec, write_checkpoint
 
-    model = write_checkpoint(Path(tempfile.mkdtemp(prefix="fo-fp8-")), TinySpec(hidden=256, intermediate=512, heads=4))
-    run_dir = Path(tempfile.mkdtemp(prefix="fo-", dir="/tmp"))
-    procs = Procs()
-    try:
-        start_daemon(procs, model, run_dir, "--device", "cuda", "--transform", "fp8-block")
-        port = free_port()
-        start_engine(procs, model, port, "--device", "cuda", "--weights", "cache", "--transform", "fp8-block",
-                     "--socket", str(run_dir / "daemon.sock"), "--served-model-name", "m")
-        status, text = post(port, "/v1/completions", {"model": "m", "prompt": "Hello", "max_tokens": 8})
-        assert status == 200, text
-    finally:
-        procs.stop_all()
-    assert torch.cuda.is_available()
+    model = write_checkpoint(tmp_path / "model", TinySpec(hidden=256, intermediate=512, heads=4))
+    start_daemon(procs, model, run_dir, "--device", "cuda", "--transform", "fp8-block")
+    port = free_port()
+    start_engine(procs, model, port, "--device", "cuda", "--weights", "cache", "--transform", "fp8-block",
+                 "--socket", str(run_dir / "daemon.sock"), "--served-model-name", "m")
+    status, text = post(port, "/v1/completions", {"model": "m", "prompt": "Hello", "max_tokens": 8})
+    assert status == 200, text
+    assert len(json.loads(text)["choices"][0]["token_ids"]) >= 1
