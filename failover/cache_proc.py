@@ -50,6 +50,7 @@ class CacheDaemon:
         """Start the daemon (when managed) and wait until its ready file says every rank is loaded."""
         cfg = self.config
         if self.managed:
+            cfg.daemon_ready_file.unlink(missing_ok=True)  # a SIGKILLed daemon's: not this one's readiness
             args = [sys.executable, "-m", "cache_daemon", *daemon_argv(cfg)]
             # SIGTERM at our death: the daemon removes its socket and ready file on the way out
             self.child = processes.spawn("cache-daemon", args, on_exit=self._exited, stdout=self.stdout,
