@@ -66,14 +66,25 @@ class Traffic:
 
 
 class Timeline:
+    """Events in time order: printed at once while nothing is pending, else held until ``flush``."""
+
     def __init__(self) -> None:
         self.t0 = time.monotonic()
+        self.held: list[tuple[float, str]] = []
+        self.holding = False
 
     def at(self, when: float, text: str) -> None:
-        print(f"  t={when - self.t0:7.3f}s  {text}", flush=True)
+        self.held.append((when, text))
+        if not self.holding:
+            self.flush()
 
     def now(self, text: str) -> None:
         self.at(time.monotonic(), text)
+
+    def flush(self) -> None:
+        for when, text in sorted(self.held):
+            print(f"  t={when - self.t0:7.3f}s  {text}", flush=True)
+        self.held.clear()
 
 
 def node_config(workdir: Path, model: Path, launch: str) -> dict:
@@ -133,6 +144,7 @@ async def drill(args: argparse.Namespace, sup, config, tl: Timeline) -> int:
         victim = router.services["chat"].primary
         slot = sup.slots[victim.name]
         before = len(router.promoter.last_failover)
+        tl.holding = True  # the failover's events are measured out of order; print them sorted
         kill_at, kill_wall = time.monotonic(), time.time()
         os.kill(slot.pid, signal.SIGKILL)
         tl.at(kill_at, f"kill -9 {victim.name} (pid {slot.child.pid}), the primary")
@@ -149,6 +161,8 @@ async def drill(args: argparse.Namespace, sup, config, tl: Timeline) -> int:
         tl.at(slot.ready_at, f"{victim.name} relaunched through the {config.supervisor.launch} and ready as standby "
               f"(pid {slot.pid}, weights {slot.ready_info.get('weights_source')}): "
               f"{slot.last_relaunch_s * 1e3:.1f} ms after the kill")
+        tl.holding = False
+        tl.flush()
         await asyncio.sleep(args.after)
         traffic.stop.set()
         await asyncio.gather(*clients)
