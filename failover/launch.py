@@ -35,8 +35,8 @@ class Zygote:
 
     def __init__(self, *, preload: str = "torch,engine.cli,engine.serve,cache_daemon.client", env: dict[str, str] | None = None,
                  parent_pid: int | None = None, on_exit: Callable[[Child], None] | None = None,
-                 stdout=None) -> None:
-        self.preload, self.env, self.stdout = preload, env, stdout
+                 stdout=None, device: str = "cpu") -> None:
+        self.preload, self.env, self.stdout, self.device = preload, env, stdout, device
         self.parent_pid = os.getpid() if parent_pid is None else parent_pid
         self.on_exit = on_exit
         self.child: Child | None = None
@@ -56,7 +56,7 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             args = [sys.executable, "-m", "failover.zygote", "--fd", str(theirs.fileno()),
-                    "--preload", self.preload]
+                    "--preload", self.preload, "--device", self.device]
             self.child = processes.spawn("zygote", args, env=self.env, on_exit=self._exited,
                                          pass_fds=(theirs.fileno(),), stdout=self.stdout)
         finally:

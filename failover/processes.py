@@ -193,12 +193,15 @@ def watch(name: str, pid: int, *, popen: subprocess.Popen | None = None,
 
 async def wait_ready_file(path: Path, child: Child, timeout: float,
                           progress: Callable[[float], None] | None = None) -> dict:
-    """Wait until ``path`` (a JSON ready file written atomically by ``child``) exists; return it."""
+    """Wait until ``path`` (a JSON ready file written atomically by ``child``, naming its ``pid``)
+    exists; return it. A file that names another pid is a dead predecessor's: not ready yet."""
     deadline = time.monotonic() + timeout
     next_note = time.monotonic() + 5.0
     while True:
         try:
-            return json.loads(path.read_text())
+            info = json.loads(path.read_text())
+            if info.get("pid", child.pid) == child.pid:
+                return info
         except FileNotFoundError:
             pass
         except json.JSONDecodeError:  # a writer that is not atomic: try again

@@ -51,7 +51,7 @@ class Supervisor:
         self.failed: dict[str, str] = {}  # service -> why it was given up
         self.policy = RestartPolicy(self.sup)
         self.daemon = CacheDaemon(config, stdout=child_output, progress=self.progress)
-        self.zygote = launch.Zygote(on_exit=self._zygote_exited, stdout=child_output)
+        self.zygote = launch.Zygote(on_exit=self._zygote_exited, stdout=child_output, device=config.model.device)
         self.router = NodeRouter(router_config(config), NodeLauncher(self), self)
         self.stopping = False
         self.serving = False  # set once the first start() is through: from then on exits are healed

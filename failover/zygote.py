@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fd", type=int, required=True, help="inherited socket to the supervisor")
     p.add_argument("--preload", default="torch,engine.cli,engine.serve,cache_daemon.client",
                    help="comma-separated modules to import before forking")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="also load what attaching weights on this device needs (no CUDA context)")
     a = p.parse_args(argv)
     from failover.processes import set_process_name
 
@@ -194,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for module in preload:
         importlib.import_module(module)
+    if "cache_daemon.client" in preload:  # on CUDA: the driver library and symbols, but no cuInit
+        importlib.import_module("cache_daemon.client").preload(a.device)
     return serve(sock, preload, time.perf_counter() - t0)
 
 
