@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import struct
 import sys
@@ -108,12 +109,20 @@ class Zygote:
                 await self._writer.drain()
                 reply = await asyncio.wait_for(self._read(), timeout)
             except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+                self._resync()
                 raise ZygoteError(f"the zygote failed while forking {name}: {type(e).__name__}") from None
-        if isinstance(reply, Failed):
-            raise ZygoteError(f"the zygote could not fork {name}: {reply.message}")
-        assert isinstance(reply, Forked) and reply.id == req.id, reply
+            if isinstance(reply, Failed):
+                raise ZygoteError(f"the zygote could not fork {name}: {reply.message}")
+            if not isinstance(reply, Forked) or reply.id != req.id:
+                self._resync()
+                raise ZygoteError(f"the zygote answered {reply!r} to fork #{req.id}")
         log.info("process_forked", process_name=name, pid=reply.pid, fork_ms=round((time.perf_counter() - t0) * 1e3, 2))
         return processes.watch(name, reply.pid, on_exit=on_exit)
+
+    def _resync(self) -> None:
+        """A late or missing answer leaves the stream out of step: kill it; the next fork restarts it."""
+        if self.child is not None:
+            self.child.send(signal.SIGKILL)
 
     async def stop(self, timeout: float = 5.0) -> None:
         if self._writer is not None:
