@@ -13,6 +13,20 @@ import sys
 import structlog
 
 
+class _Stderr:
+    """Writes to whatever ``sys.stderr`` is at the time of the write.
+
+    Binding the stream at configure time breaks when it is replaced later (pytest's capture, a
+    daemonised process): the logger would keep writing to a closed file.
+    """
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "info", *, json: bool | None = None, process: str = "") -> None:
     """Configure structlog for this process: console on a terminal, JSON lines otherwise.
 
@@ -32,7 +46,7 @@ def configure_logging(level: str = "info", *, json: bool | None = None, process:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(_Stderr()),
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()
