@@ -302,6 +302,16 @@ def _with_len(cfg, args):
     return replace(cfg, max_model_len=args.prompt_len + args.new_tokens + 8)
 
 
+def gpu_name() -> str:
+    """From nvidia-smi: this process must not create a CUDA context before it forks engines."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return f"{out[0]} (x{len(out)})" if out else "unknown"
+
+
 def machine(args) -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -313,7 +323,7 @@ def machine(args) -> str:
         pass
     import torch
 
-    gpu = f", GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
+    gpu = f", GPU {gpu_name()}" if args.device == "cuda" else ""
     load = "/".join(f"{x:.1f}" for x in os.getloadavg())
     return (f"{platform.node()}: {cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
             f"({torch.get_num_threads()} threads){gpu}, Python {platform.python_version()}, load avg {load}")
