@@ -101,6 +101,12 @@ class KillLauncher:
         self.resumed.append(service)
 
 
+def tolerant(**kw) -> RouterConfig:
+    """A router config for tests that are not about probe timing: on a loaded 2-core machine an
+    engine can miss two 0.25 s probes in a row, and a spurious failover would blur what they test."""
+    return RouterConfig(**({"port": 0, "probe_timeout": 1.0, "failure_threshold": 3} | kw))
+
+
 @contextlib.asynccontextmanager
 async def running_router(config: RouterConfig, launcher=None, *, service: str = "tiny",
                          primary: Engine | str | None = None, standbys=()) -> AsyncIterator[Router]:

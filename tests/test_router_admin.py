@@ -9,9 +9,8 @@ import pytest
 
 from conftest import Procs
 from router import states
-from router.config import RouterConfig
 from router_helpers import (KillLauncher, Load, client, counter, reference, references, running_router,
-                            start_engines, wait_for)
+                            start_engines, tolerant, wait_for)
 
 pytestmark = pytest.mark.asyncio
 TOKEN = "test-admin-token"
@@ -32,7 +31,7 @@ def config(tmp_path):
     path = tmp_path / "admin.token"
     path.write_text(TOKEN + "\n")
     os.chmod(path, 0o600)
-    return RouterConfig(port=0, admin_token_file=path, queue_deadline=2.0)
+    return tolerant(admin_token_file=path, queue_deadline=2.0)
 
 
 async def admin(router, method: str, path: str, body: dict | None = None, token: str | None = TOKEN):
@@ -67,7 +66,7 @@ async def test_admin_token_is_enforced(engines, config):
 
 async def test_admin_disabled_without_token_file(engines):
     a, b = engines
-    async with running_router(RouterConfig(port=0), primary=a, standbys=[b]) as router:
+    async with running_router(tolerant(), primary=a, standbys=[b]) as router:
         status, body = await admin(router, "GET", "/admin/status")
         assert status == 403 and "--admin-token-file" in body["error"]["message"]
 
@@ -129,7 +128,7 @@ async def test_planned_promote_and_drain_fail_no_request(engines, config):
 async def test_preempt_then_resume(engines, config, tmp_path):
     a, b = engines
     launcher = KillLauncher(engines)
-    cfg = RouterConfig(port=0, admin_token_file=config.admin_token_file, queue_deadline=0.3)
+    cfg = tolerant(admin_token_file=config.admin_token_file, queue_deadline=0.3)
     async with running_router(cfg, launcher, primary=a, standbys=[b]) as router:
         await ready_pair(router)
         status, _ = await admin(router, "POST", "/admin/preempt", {"service": "tiny"})

@@ -13,9 +13,8 @@ import pytest
 
 from conftest import Procs, free_port
 from router import states
-from router.config import RouterConfig
 from router_helpers import (client, complete, counter, garbage_app, raw_garbage_server, reference, running_router,
-                            serve_app, stalling_app, start_engines, wait_for)
+                            serve_app, stalling_app, start_engines, tolerant, wait_for)
 
 pytestmark = pytest.mark.asyncio
 
@@ -50,7 +49,7 @@ async def test_garbage_backend_is_failed_and_the_request_retried(engine, kind):
     ref = await direct_reference(engine, ["Hello, world!"])
     server = await raw_garbage_server(port) if kind == "not-http" else None
     async with (serve_app(garbage_app(), port) if server is None else _nothing()):
-        async with running_router(RouterConfig(port=0), primary=f"http://127.0.0.1:{port}",
+        async with running_router(tolerant(), primary=f"http://127.0.0.1:{port}",
                                   standbys=[engine]) as router:
             svc = router.services["tiny"]
             if kind == "not-json":  # /ready answers fine: only the request shows it is no engine
@@ -81,7 +80,7 @@ async def test_backend_stalling_mid_stream_is_failed_and_the_stream_migrated(eng
     async with serve_app(stalling_app(ref, sent=5), port) as url:
         # Not much shorter: the real engine must never pause this long between chunks, and a
         # loaded 2-core machine makes it pause for a good part of a second now and then.
-        cfg = RouterConfig(port=0, stall_timeout=2.0)
+        cfg = tolerant(stall_timeout=2.0)
         async with running_router(cfg, primary=url, standbys=[engine]) as router:
             svc = router.services["tiny"]
             await wait_for(lambda: svc.routable() is not None and svc.instances["eng"].ready)
@@ -95,7 +94,7 @@ async def test_backend_stalling_mid_stream_is_failed_and_the_stream_migrated(eng
 
 async def test_no_primary_queues_then_503_with_retry_after(engine):
     dead = f"http://127.0.0.1:{free_port()}"
-    cfg = RouterConfig(port=0, queue_deadline=0.4, queue_size=2)
+    cfg = tolerant(queue_deadline=0.4, queue_size=2)
     async with running_router(cfg, primary=dead) as router:
         body = b'{"model": "tiny", "prompt": "x", "max_tokens": 2}'
         url = router.url + "/v1/completions"
@@ -106,7 +105,7 @@ async def test_no_primary_queues_then_503_with_retry_after(engine):
             assert int(headers["Retry-After"]) >= 1 and b"no ready primary" in raw
         assert sum(b"queue full" in raw for _, raw, _ in results) == 1  # the third did not fit
     # a request that is waiting when a ready standby appears is served, not refused
-    cfg = RouterConfig(port=0, queue_deadline=10.0)
+    cfg = tolerant(queue_deadline=10.0)
     async with running_router(cfg, primary=dead) as router:
         url = router.url + "/v1/completions"
         waiting = asyncio.ensure_future(post(url, body))
@@ -117,7 +116,7 @@ async def test_no_primary_queues_then_503_with_retry_after(engine):
 
 
 async def test_malformed_requests_get_the_engines_own_4xx(engine):
-    async with running_router(RouterConfig(port=0), primary=engine) as router:
+    async with running_router(tolerant(), primary=engine) as router:
         await wait_for(lambda: router.services["tiny"].routable() is not None)
         for body in (b"{not json", b'{"model": "tiny"}', b'{"model": "tiny", "prompt": "x", "max_tokens": -3}',
                      b"[1, 2]"):
@@ -130,7 +129,7 @@ async def test_malformed_requests_get_the_engines_own_4xx(engine):
 
 
 async def test_huge_body_is_capped(engine):
-    async with running_router(RouterConfig(port=0, max_body_bytes=4096), primary=engine) as router:
+    async with running_router(tolerant(max_body_bytes=4096), primary=engine) as router:
         body = b'{"model": "tiny", "prompt": "' + b"x" * 10_000 + b'"}'
         status, raw, _ = await post(router.url + "/v1/completions", body)
         assert status == 413 and b"request_too_large" in raw
@@ -140,7 +139,7 @@ async def test_huge_body_is_capped(engine):
 
 
 async def test_client_disconnect_cancels_upstream(engine):
-    async with running_router(RouterConfig(port=0), primary=engine) as router:
+    async with running_router(tolerant(), primary=engine) as router:
         inst = router.services["tiny"].instances["eng"]
         await wait_for(lambda: router.services["tiny"].routable() is not None)
         body = b'{"model": "tiny", "prompt": "x", "max_tokens": 400, "stream": true}'
