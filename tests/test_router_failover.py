@@ -65,10 +65,15 @@ async def test_exit_notice_switches_before_any_request_fails(engines):
         assert router.promoter.last_failover["tiny"]["reason"] == "exited"
 
 
-async def test_sigstop_primary_is_promoted_away_by_the_probe(engines):
-    """A hung primary accepts connections but answers nothing: only the active probe can tell."""
+@pytest.mark.parametrize("launcher_kind", ["supervised", "standalone"])
+async def test_sigstop_primary_is_promoted_away_by_the_probe(engines, launcher_kind):
+    """A hung primary accepts connections but answers nothing: only the active probe can tell.
+
+    Standalone, nobody kills the hung engine: the requests stuck on it must still be aborted by
+    the router's fencing and retried or migrated, and it is never routed to again.
+    """
     a, b = engines
-    launcher = KillLauncher(engines)
+    launcher = KillLauncher(engines) if launcher_kind == "supervised" else None
     try:
         async with running_router(RouterConfig(port=0), launcher, primary=a, standbys=[b]) as router:
             c = client(router)
@@ -86,7 +91,13 @@ async def test_sigstop_primary_is_promoted_away_by_the_probe(engines):
             await c.close()
             load.check(ref)
             assert router.promoter.last_failover["tiny"]["reason"] == "probe"
-            assert launcher.fenced == ["eng-a"]
+            if launcher is not None:
+                assert launcher.fenced == ["eng-a"]
+            else:
+                assert a.proc.poll() is None  # still there, hung: only the router's fencing saved us
+                assert svc.instances["eng-a"].role == states.STOPPED
+            assert svc.instances["eng-a"].inflight == 0
+            assert counter(router, "failover_router_migrations_total") >= 1  # the stream caught by the hang
     finally:
         kill(a.proc, signal.SIGCONT)
         kill(a.proc, signal.SIGKILL)
