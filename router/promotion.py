@@ -309,7 +309,7 @@ class Promoter:
             for inst in service.instances.values():
                 if inst.role == states.PREEMPTED:
                     inst.generation += 1
-                    inst.fenced = inst.suspect = False
+                    inst.fenced = inst.suspect = inst.ever_ready = False  # its engine starts afresh
                     inst.failures = 0
                     self.set_role(inst, states.STANDBY, "resume")
                     watch(inst)  # the first ready probe promotes one of them
