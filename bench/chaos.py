@@ -136,6 +136,11 @@ class Soak:
                 await asyncio.sleep(0.1)  # the exit notice has not reached the status yet
                 continue
             fault.recovered_s = time.monotonic() - fault.at
+            last = doc.get("last_failover", {}).get(SERVICE)
+            if fault.target == "primary" and last and last["monotonic"]["detected"] >= fault.at:
+                # the router's own view of this failover (its monotonic clock is the machine's, as ours)
+                fault.detail["router"] = {k: last.get(k) for k in ("old", "new", "reason", "blackout_ms",
+                                                                  "detect_ms", "switch_ms") if k in last}
             if doc["supervisor"]["daemon"]["pid"] != self.daemon_pid:
                 await self.check_daemon(f"after {fault.kind} (t={fault.at - self.t0:.1f}s)", fault)
             return

@@ -16,7 +16,6 @@ import random
 import signal
 import socket
 import struct
-import time
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -60,12 +59,13 @@ class Schedule:
         self.rng = random.Random(seed)
         self.mean_gap = 60.0 / rate_per_min
         self.kinds = only or KINDS + (BATCH_KINDS if batch else ())
+        self.deck = self.shuffled(self.kinds)  # the first faults cover every kind once, in seeded order
 
     def gap(self) -> float:
         return self.mean_gap * self.rng.uniform(0.5, 1.5)
 
     def kind(self) -> str:
-        return self.rng.choice(self.kinds)
+        return self.deck.pop() if self.deck else self.rng.choice(self.kinds)
 
     def pause(self) -> float:
         return self.rng.uniform(0.5, 3.0)
@@ -137,12 +137,12 @@ def _frame(body: bytes) -> bytes:
 def daemon_garbage(path: str, variant: str, rng: random.Random) -> str:
     """One connection of garbage; returns what the daemon did (answered, closed, said nothing)."""
     payload = {
-        "random_bytes": rng.randbytes(rng.randint(1, 4096)),
-        "truncated_frame": struct.pack("!I", 4096) + rng.randbytes(100),
-        "oversized_length": struct.pack("!I", 0xFFFFFFF0) + b"\x80",
-        "bad_msgpack": _frame(b"\xc1" * 16),  # 0xc1 is never used in msgpack
-        "unknown_type": _frame(msgspec.msgpack.encode({"type": "no-such-message", "x": 1})),
-    }[variant]
+        "random_bytes": lambda: rng.randbytes(rng.randint(1, 4096)),
+        "truncated_frame": lambda: struct.pack("!I", 4096) + rng.randbytes(100),
+        "oversized_length": lambda: struct.pack("!I", 0xFFFFFFF0) + b"\x80",
+        "bad_msgpack": lambda: _frame(b"\xc1" * 16),  # 0xc1 is never used in msgpack
+        "unknown_type": lambda: _frame(msgspec.msgpack.encode({"type": "no-such-message", "x": 1})),
+    }[variant]()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(2.0)
         s.connect(path)
@@ -206,7 +206,3 @@ async def admin_garbage(session: aiohttp.ClientSession, url: str, token: str, va
         except (json.JSONDecodeError, AttributeError):
             shaped = False
         return f"{r.status}", r.status == expect and shaped
-
-
-def now() -> float:
-    return time.monotonic()

@@ -29,8 +29,11 @@ SERVICE = "chat"
 Starter = Callable[..., subprocess.Popen]
 
 
-def default_starter(args: list[str], **kw) -> subprocess.Popen:
-    return subprocess.Popen(args, start_new_session=True, cwd=REPO, **kw)
+def default_starter(args: list[str], *, env: dict[str, str], **kw) -> subprocess.Popen:
+    """Starts ``failover up`` in its own session; ``env`` holds what to add to ours (as the tests'
+    ``procs.start`` takes it)."""
+    return subprocess.Popen(args, start_new_session=True, cwd=REPO,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", **env), **kw)
 
 
 def free_port_pair(avoid: set[int]) -> int:
@@ -142,7 +145,7 @@ class Node:
         try:
             self.proc = self.starter([sys.executable, "-m", "failover", "up", str(config)],
                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1", **{MARKER: self.marker}))
+                                     env={MARKER: self.marker})
         finally:
             log.close()
         deadline = time.monotonic() + timeout
