@@ -23,7 +23,13 @@ from failover.batch_io import BatchItem, ResultLog, error_record, result_record
 log = structlog.get_logger(__name__)
 
 BackendSource = Callable[[], Awaitable[str]]  # waits for, then returns, a ready engine's base URL
-CUT_OFF = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+
+
+class EngineUnavailable(Exception):
+    """503 from the engine: starting, draining or evicted; the request did not run."""
+
+
+CUT_OFF = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, EngineUnavailable)
 
 
 @dataclass(slots=True)
@@ -53,10 +59,14 @@ class BatchRunner:
     """Runs the items not yet in ``results`` against whatever engine ``backend()`` returns."""
 
     def __init__(self, items: list[BatchItem], results: ResultLog, *, concurrency: int = 4,
-                 request_timeout: float = 600.0, max_attempts: int = 3) -> None:
+                 request_timeout: float = 600.0, max_attempts: int = 3,
+                 on_record: Callable[[dict], None] | None = None, model: str | None = None) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         self.results = results
+        self.model = model  # the batch engine serves one model: every request is sent with its name
+        self.on_record = on_record  # called after each record is durable (the first after a resume is timed)
+        self._requests: set[asyncio.Task] = set()  # requests in flight, cancelled by interrupt()
         self.concurrency = concurrency
         self.timeout = aiohttp.ClientTimeout(total=request_timeout)
         self.max_attempts = max_attempts  # for 5xx answers; cut-offs by eviction do not count
@@ -79,6 +89,22 @@ class BatchRunner:
         self.progress.done += 1
         self.progress.errors += error
         self.progress.tokens += tokens
+        if self.on_record is not None:
+            self.on_record(record)
+
+    @property
+    def remaining(self) -> int:
+        return self.progress.total - self.progress.done
+
+    def interrupt(self) -> int:
+        """Cut off every request in flight now (an eviction follows): each goes back to the queue.
+
+        Closing the connections first lets the engine's handlers end at once, so the SIGTERM that
+        follows finds nothing in flight and the engine exits within its short deadline.
+        """
+        for task in self._requests:
+            task.cancel()
+        return len(self._requests)
 
     async def run(self, backend: BackendSource) -> dict:
         """Run until every item has a result; returns the final progress snapshot."""
@@ -98,8 +124,15 @@ class BatchRunner:
         while self._queue:
             item = self._queue.popleft()
             self.progress.in_flight += 1
+            request = asyncio.ensure_future(self._run_one(session, backend, item))
+            self._requests.add(request)
             try:
-                await self._run_one(session, backend, item)
+                await request
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():  # the runner itself is being stopped
+                    raise
+                self._queue.appendleft(item)  # interrupt(): cut off on purpose before an eviction
+                self.progress.requeued += 1
             except CUT_OFF as e:
                 # The engine went away under us (preempted or crashed): nothing was recorded, so the
                 # item simply runs again on the next engine. Put it first to keep rough input order.
@@ -108,11 +141,15 @@ class BatchRunner:
                 log.info("batch_request_cut_off", id=item.id, error=type(e).__name__)
                 await asyncio.sleep(0.05)
             finally:
+                self._requests.discard(request)
                 self.progress.in_flight -= 1
 
     async def _run_one(self, session: aiohttp.ClientSession, backend: BackendSource, item: BatchItem) -> None:
         base = await backend()
-        async with session.post(base + item.url, json=item.body) as resp:
+        body = item.body if self.model is None else {**item.body, "model": self.model}
+        async with session.post(base + item.url, json=body) as resp:
+            if resp.status == 503:  # not a verdict on the request: it runs again once the engine is back
+                raise EngineUnavailable(await resp.text())
             body = await resp.json(content_type=None)
         if resp.status >= 500:
             n = self._attempts[item.id] = self._attempts.get(item.id, 0) + 1

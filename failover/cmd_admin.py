@@ -124,7 +124,24 @@ def render_table(doc: dict) -> str:
         state = svc.get("state") or svc.get("status")
         if state and state not in ("ok", "serving"):
             lines.append(f"service {svc.get('name')}: {state}")
+        if isinstance(svc.get("batch"), dict):
+            lines.append(batch_line(svc["name"], svc["batch"]))
     return "\n".join(lines)
+
+
+def batch_line(name: str, b: dict) -> str:
+    """``batch offline: running, 37/100 done (2 errors), 52.1 tok/s, ETA 12s, 3 preemptions``"""
+    total, done = b.get("total"), b.get("done")
+    parts = [f"batch {name}: {b.get('state')}" + (f" ({b['preempted_by']})" if b.get("state") == "preempted" else "")]
+    if total is not None:
+        parts.append(f"{done}/{total} done" + (f" ({b['errors']} errors)" if b.get("errors") else ""))
+        parts.append(f"{b.get('tokens_per_s', 0):.1f} tok/s")
+        eta = b.get("eta_s")
+        parts.append("ETA " + ("-" if eta is None else _duration(eta)))
+    parts.append(f"{b.get('preemptions', 0)} preemptions")
+    if b.get("why"):
+        parts.append(b["why"])
+    return ", ".join(parts)
 
 
 def _first_service(doc: dict, instance: str | None) -> str:

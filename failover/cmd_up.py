@@ -42,7 +42,7 @@ async def serve(config, progress) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    supervisor = Supervisor(config, progress=progress)
+    supervisor = Supervisor(config, progress=progress, batch_bar=sys.stderr.isatty())
     starting = asyncio.ensure_future(supervisor.start())
     stopper = asyncio.ensure_future(stop.wait())
     code = 0

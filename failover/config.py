@@ -24,6 +24,8 @@ from failover.config_errors import explain, unknown_key
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 DTYPES = ("float32", "bfloat16", "float16")
 TEMPLATE_FIELDS = ("model", "host", "port", "name", "service", "socket", "tp", "dtype", "device",
                    "transform", "kv_memory", "run_dir")
@@ -81,10 +83,30 @@ class SupervisorConfig(_Base):
 
 
 class BatchConfig(_Base):
-    """Input and output of a ``kind = "batch"`` service (issue 6: co-serving)."""
+    """A ``kind = "batch"`` service (co-serving): its files, and when it gets out of the way.
 
-    input: str
-    output: str
+    The load thresholds apply to the online services it watches (``watch``; default: every online
+    service of a higher priority): ``queue_high`` waiting + in-flight requests at the router, or a
+    windowed mean time-to-first-token of ``ttft_high`` s, evict it at once; it comes back after both
+    stayed at or under the ``*_low`` values for ``hold`` seconds.
+    """
+
+    input: str  # a JSONL file, or a folder of *.jsonl files read in name order
+    output: str  # results, one JSON line per request id, appended and fsynced
+    concurrency: PositiveInt = 4  # requests in flight to the batch engine
+    watch: list[str] | None = None
+    queue_high: PositiveInt = 8
+    queue_low: NonNegativeInt = 2
+    ttft_high: Positive = 1.0  # seconds
+    ttft_low: NonNegative = 0.25
+    hold: NonNegative = 5.0  # seconds of calm before a load- or memory-triggered resume
+    sample_interval: Positive = 0.25  # seconds between load samples
+    evict_timeout: Positive = 0.5  # SIGTERM -> SIGKILL of the batch engine at eviction
+    memory_margin: int | str = "512MiB"  # free memory kept beyond a KV budget (see docs: co-serving)
+
+    @property
+    def memory_margin_bytes(self) -> int:
+        return parse_size(self.memory_margin)
 
 
 class ServiceConfig(_Base):
@@ -211,6 +233,8 @@ def _check_services(config: Config) -> list[str]:
             problems.append(f"{key}.standbys: a batch service has no standbys; set 0")
         if svc.kind == "batch" and svc.batch is None:
             problems.append(f"{key}.batch: a batch service needs [service.batch] with input and output")
+        if svc.batch is not None:
+            problems += _check_batch(f"{key}.batch", svc, config.service)
         if svc.command is not None:
             problems += _check_template(key, svc.command)
         if (svc.port is None) == (svc.port_range is None):
@@ -231,6 +255,37 @@ def _check_services(config: Config) -> list[str]:
                 problems.append(f"{port_key}: port {port} is also used by {owner[port]}; give each service its own ports")
             owner[port] = f"service[{i}] ({svc.name})"
     return problems
+
+
+def _check_batch(key: str, svc: ServiceConfig, services: list[ServiceConfig]) -> list[str]:
+    b = svc.batch
+    assert b is not None
+    problems = []
+    if svc.kind != "batch":
+        problems.append(f"{key}: only a service with kind = \"batch\" takes [service.batch]")
+    if b.queue_low >= b.queue_high:
+        problems.append(f"{key}.queue_low: {b.queue_low} must be below queue_high ({b.queue_high})")
+    if b.ttft_low >= b.ttft_high:
+        problems.append(f"{key}.ttft_low: {b.ttft_low} must be below ttft_high ({b.ttft_high})")
+    online = {s.name for s in services if s.kind == "online"}
+    for name in b.watch or []:
+        if name not in online:
+            problems.append(f"{key}.watch: {name!r} is not an online service; online: {sorted(online)}")
+    try:
+        b.memory_margin_bytes
+    except ValueError as e:
+        problems.append(f"{key}.memory_margin: {e}")
+    if svc.command is not None:
+        problems.append(f"{key}: a batch service runs our engine (forked from the zygote); remove command")
+    return problems
+
+
+def watched_services(svc: ServiceConfig, services: list[ServiceConfig]) -> list[str]:
+    """The online services whose load preempts batch service ``svc``."""
+    assert svc.batch is not None
+    if svc.batch.watch is not None:
+        return list(svc.batch.watch)
+    return [s.name for s in services if s.kind == "online" and s.priority > svc.priority]
 
 
 def _check_template(key: str, command: list[str]) -> list[str]:
@@ -256,6 +311,9 @@ def preflight(config: Config) -> None:
     for key, host, port in ports:
         if not port_is_free(host, port):
             problems.append(f"{key}: port {port} is in use on {host}; stop what holds it or choose another port")
+    for i, svc in enumerate(config.service):
+        if svc.batch is not None:
+            problems += _check_batch_files(f"service[{i}].batch", svc.batch)
     run = config.run_path
     if run.exists() and not run.is_dir():
         problems.append(f"run_dir: {run} exists and is not a directory")
@@ -264,6 +322,35 @@ def preflight(config: Config) -> None:
                         "stop it, or use another run_dir")
     if problems:
         raise ConfigError(config.source, problems)
+
+
+def _check_batch_files(key: str, batch: BatchConfig) -> list[str]:
+    """The input must be readable and the output appendable: refused before any work is done."""
+    import os
+
+    problems = []
+    src = Path(batch.input)
+    if not src.exists():
+        problems.append(f"{key}.input: {src} does not exist; give a JSONL file or a folder of *.jsonl files")
+    elif src.is_dir() and not any(p.suffix == ".jsonl" for p in src.iterdir()):
+        problems.append(f"{key}.input: folder {src} holds no *.jsonl file")
+    out = Path(batch.output)
+    if out.exists():
+        if not out.is_file():
+            problems.append(f"{key}.output: {out} is not a regular file; give a file path for the results")
+            return problems
+        try:  # the real test (root passes os.access on anything): open it for appending
+            os.close(os.open(out, os.O_WRONLY | os.O_APPEND))
+        except OSError as e:
+            problems.append(f"{key}.output: cannot write {out}: {e.strerror}; fix its permissions or choose another path")
+        return problems
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        problems.append(f"{key}.output: cannot create {out}: {parent} is not a writable directory; "
+                        "fix its permissions or choose another path")
+    return problems
 
 
 def _check_memory(config: Config) -> list[str]:

@@ -19,7 +19,8 @@ def engine_argv(config: Config, svc: ServiceConfig, port: int) -> list[str]:
             "--host", "127.0.0.1", "--port", str(port), "--tp", str(m.tp), "--device", m.device,
             "--dtype", m.dtype, "--transform", m.transform, "--kv-memory", str(svc.kv_memory_bytes),
             "--max-batch", str(svc.max_batch), "--served-model-name", svc.name,
-            "--drain-timeout", str(config.supervisor.drain_timeout),
+            # a batch engine is evicted, not drained: its runner re-sends whatever was cut off
+            "--drain-timeout", "0" if svc.kind == "batch" else str(config.supervisor.drain_timeout),
             "--log-level", config.supervisor.log_level]
 
 

@@ -58,6 +58,8 @@ class NodeRouter(Router):
         for svc in doc["services"]:
             if svc["name"] in self.supervisor.failed:
                 svc["state"] = "failed: " + self.supervisor.failed[svc["name"]]
+            if svc["name"] in self.supervisor.coserve.jobs:
+                svc["batch"] = self.supervisor.coserve.jobs[svc["name"]].progress()
             for inst in svc["instances"]:
                 slot = slots.get(inst["name"])
                 if slot is not None and slot.pid is not None and slot.launched_at is not None:

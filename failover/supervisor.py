@@ -27,6 +27,7 @@ import structlog
 from failover import launch, processes, slots
 from failover.cache_proc import CacheDaemon
 from failover.config import Config, ServiceConfig
+from failover.coserve import BatchCollector, Coserver
 from failover.engine_args import engine_argv, external_argv
 from failover.node_router import NodeLauncher, NodeRouter, router_config
 from failover.processes import Child, ChildFailed
@@ -39,7 +40,7 @@ log = structlog.get_logger(__name__)
 
 class Supervisor:
     def __init__(self, config: Config, *, child_output=None,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, batch_bar: bool = False) -> None:
         self.config = config
         self.sup = config.supervisor
         self.child_output = child_output
@@ -53,6 +54,10 @@ class Supervisor:
         self.daemon = CacheDaemon(config, stdout=child_output, progress=self.progress)
         self.zygote = launch.Zygote(on_exit=self._zygote_exited, stdout=child_output, device=config.model.device)
         self.router = NodeRouter(router_config(config), NodeLauncher(self), self)
+        self.coserve = Coserver(self)  # batch services: their runners and when they get out of the way
+        self.batch_bar = batch_bar  # a progress bar of the batch services (a terminal)
+        if self.coserve.jobs:
+            self.router.metrics.registry.register(BatchCollector(self.coserve))
         self.stopping = False
         self.serving = False  # set once the first start() is through: from then on exits are healed
         self.started_at = time.monotonic()
@@ -71,16 +76,22 @@ class Supervisor:
         self._session = aiohttp.ClientSession()
         self.progress(f"starting the cache daemon ({self.config.model.path}) and the zygote")
         await asyncio.gather(self.daemon.start(), self._start_zygote())
-        self.progress(f"launching {len(self.slots)} engine(s)")
-        await asyncio.gather(*(self._launch(slot, "initial") for slot in self.slots.values()))
-        lost = [s.name for s in self.slots.values() if s.state != slots.RUNNING]
+        self.coserve.open()  # batch files first: a batch that cannot write its output never starts
+        launching = [slot for slot in self.slots.values() if not slot.hold]
+        self.progress(f"launching {len(launching)} engine(s)")
+        await asyncio.gather(*(self._launch(slot, "initial") for slot in launching))
+        lost = [s.name for s in launching if s.state != slots.RUNNING]
         if lost:  # one became ready and then died while the others were still starting
             raise ChildFailed(f"{', '.join(lost)} exited during startup; see the engine log above")
         for svc in self.config.service:
             for i, name in enumerate(svc.slot_names()):
-                self._register(self.slots[name], states.PRIMARY if i == 0 else states.STANDBY)
+                if not self.slots[name].hold:
+                    self._register(self.slots[name], states.PRIMARY if i == 0 else states.STANDBY)
         await self.router.start()
         self.serving = True
+        self.coserve.start()
+        if self.batch_bar and self.coserve.jobs:
+            self.background(self.coserve.report(), "batch-progress")
         self.progress(f"serving on {self.config.router_url} (services: {', '.join(self.services)})")
 
     def _prepare_run_dir(self) -> None:
@@ -201,6 +212,9 @@ class Supervisor:
             slot.change(slots.BACKOFF, "backoff", delay_s=round(delay, 3))
             await asyncio.sleep(delay)
         evicted = slot.evicted_at or time.monotonic()
+        svc = self.services[slot.service]
+        if svc.kind == "online":  # a relaunch or a promotion's replacement may need a batch engine's memory
+            await self.coserve.make_room(svc)
         try:
             async for attempt in self.policy.retrying():
                 with attempt:
@@ -269,6 +283,9 @@ class Supervisor:
         self.replace(slot)
 
     async def preempt(self, service: str) -> None:
+        if self.coserve.is_batch(service):  # short deadline, memory verified, timings logged
+            await self.coserve.evict(service)
+            return
         stops = []
         for slot in self.slots.values():
             if slot.service != service:
@@ -276,14 +293,18 @@ class Supervisor:
             slot.hold = True
             task = self._tasks.get(slot.name)
             if task is not None:
-                task.cancel()
+                task.cancel()  # its launch moves the slot to STOPPING and stops the process itself
             if slot.child is not None and slot.child.alive:
-                if slot.state in (slots.RUNNING, slots.STARTING):
+                if slot.state in (slots.RUNNING, slots.STARTING) and task is None:
                     slot.change(slots.STOPPING, "preempted")
                 stops.append(slot.child.stop(self.sup.stop_timeout))
         await asyncio.gather(*stops)
 
     async def resume(self, service: str) -> None:
+        if self.coserve.is_batch(service):
+            self.coserve.resumed(service)
+            if self.coserve.holds(service):  # done, failed on its files, or preempted again meanwhile
+                return
         if self.failed.pop(service, None) is not None:
             self.policy.forget(service)
             log.warning("service_resumed_after_failure", service=service)
@@ -307,6 +328,7 @@ class Supervisor:
             "zygote": {"pid": zyg.child.pid if zyg.alive else None, "restarts": max(zyg.restarts, 0)},
             "failed": dict(self.failed),
             "slots": [slot.as_json() for slot in self.slots.values()],
+            "batch": self.coserve.status(),
         }
 
     # -- stop ------------------------------------------------------------------------------------
