@@ -151,10 +151,11 @@ class Coserver:
         self.sup.progress(f"batch {job.name}: done, {snap['done']}/{snap['total']} "
                           f"({snap['errors']} error records) -> {job.svc.batch.output}")
         log.info("batch_done", service=job.name, preemptions=job.preemptions, **snap)
-        # The engine stops: its memory goes back to the node (a finished batch holds nothing).
+        # The engine stops: its memory goes back to the node (a finished batch holds nothing). The
+        # router stops routing to it as for a preemption (the eviction itself is a no-op once done).
         job.slot.hold = True
-        if job.slot.name in self.sup.router.services.get(job.name, _NoService).instances:
-            self.sup.router.remove_instance(job.slot.name)
+        if job.name in self.sup.router.services:
+            await self.sup.router.preempt(job.name)
         child = job.slot.child
         if child is not None and child.alive:
             if job.slot.state in (slots.RUNNING, slots.STARTING):
@@ -186,10 +187,10 @@ class Coserver:
         job = self.jobs[service]
         reason, t0 = job.trigger if job.trigger is not None else ("operator", time.monotonic())
         job.trigger = None
-        if reason == "operator":
-            job.policy.operator_preempt()
         if job.state in (DONE, FAILED):
             return
+        if reason == "operator":
+            job.policy.operator_preempt()
         if job.evicting is not None:  # a second trigger while one eviction runs: the same one
             await job.evicting
             return
@@ -211,6 +212,12 @@ class Coserver:
         cut = job.runner.interrupt() if job.runner is not None else 0
         task = self.sup._tasks.get(slot.name)
         if task is not None:
+            # Never cancel a launch between the zygote's fork and its answer: the forked engine would
+            # run unwatched. Forks take milliseconds; the engine is then stopped below like any other.
+            deadline = time.monotonic() + 10.0
+            while (slot.state == slots.STARTING and not (slot.child is not None and slot.child.alive)
+                   and not task.done() and time.monotonic() < deadline):
+                await asyncio.sleep(0.005)
             task.cancel()
         child = slot.child
         if child is None or not child.alive:
@@ -381,10 +388,6 @@ class Coserver:
                 for line in lines:
                     self.sup.progress(line)
                 last = lines
-
-
-class _NoService:
-    instances: dict = {}
 
 
 class BatchCollector:

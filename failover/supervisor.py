@@ -138,6 +138,9 @@ class Supervisor:
         except OSError:
             slot.change(slots.STOPPED, "launch failed")
             raise
+        except asyncio.CancelledError:  # preempted or shut down before the process existed
+            slot.change(slots.STOPPED, "launch cancelled")
+            raise
         slot.child, slot.launched_at = child, time.monotonic()
         assert self._session is not None
         try:
@@ -210,7 +213,11 @@ class Supervisor:
     async def _replace(self, slot: Slot, delay: float) -> None:
         if delay > 0:
             slot.change(slots.BACKOFF, "backoff", delay_s=round(delay, 3))
-            await asyncio.sleep(delay)
+            try:
+                await asyncio.sleep(delay)
+            except asyncio.CancelledError:  # preempted meanwhile: a later resume relaunches a STOPPED slot
+                slot.change(slots.STOPPED, "backoff cancelled")
+                raise
         evicted = slot.evicted_at or time.monotonic()
         svc = self.services[slot.service]
         if svc.kind == "online":  # a relaunch or a promotion's replacement may need a batch engine's memory
