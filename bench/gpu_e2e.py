@@ -1,0 +1,270 @@
+"""The whole stack on one CUDA GPU, on a checkpoint with a real architecture's shapes.
+
+    python3 bench/gpu_e2e.py                       # Llama-3-8B shapes, 48 layers: ~21.4 GiB bf16
+    python3 bench/gpu_e2e.py --layers 32 --dir /data/l8b   # the 8B itself (15 GiB), kept in /data/l8b
+
+Generates a random-weight checkpoint (hidden 4096, 32 heads, 8 KV heads, intermediate 14336, vocab
+128256) unless --dir already holds one, brings up a node (the same Supervisor as ``failover up``:
+cache daemon, zygote, primary + hot standby, router, optionally a batch service), and measures:
+daemon load time and GB/s; each engine's attach time; device memory of primary + standby (weights
+must be counted once); crash failover blackout under load; zygote relaunch to ready; batch
+preemption (trigger to process gone and its pid off the GPU); and the write fault of a read-only
+mapping (the writer dies, the resident bytes do not change). Prints one report of key=value lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from attach import write_model  # noqa: E402
+from loadgen import Load  # noqa: E402
+
+from cache_daemon.logs import configure_logging  # noqa: E402
+from failover.config import parse_config  # noqa: E402
+from failover.demo import free_port_pair  # noqa: E402
+from failover.tiny_model import TinySpec, write_tokenizer  # noqa: E402
+
+WRITER = r"""
+import sys, torch
+from cache_daemon.client import attach
+from cache_daemon.fingerprint import make_config
+w = attach(sys.argv[1], make_config(sys.argv[2], dtype=sys.argv[3], tp_size=1, tp_rank=0, device=sys.argv[4]))
+t = w.tensors["model.norm.weight"]
+before = float(t.float().sum())
+print("checksum", before, flush=True)
+t.fill_(0.0)  # the mapping is PROT_READ: this must fault in this process only
+if sys.argv[4] == "cuda":
+    torch.cuda.synchronize()
+print("WRITE WENT THROUGH", float(t.float().sum()), flush=True)
+"""
+
+READER = r"""
+import sys
+from cache_daemon.client import attach
+from cache_daemon.fingerprint import make_config
+w = attach(sys.argv[1], make_config(sys.argv[2], dtype=sys.argv[3], tp_size=1, tp_rank=0, device=sys.argv[4]))
+print("checksum", float(w.tensors["model.norm.weight"].float().sum()), flush=True)
+"""
+
+
+def nvsmi(query: str) -> list[list[str]]:
+    out = subprocess.run(["nvidia-smi", f"--query-{query}", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    return [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
+
+
+def gpu_used_mib() -> int:
+    return int(nvsmi("gpu=memory.used")[0][0]) if CUDA else 0
+
+
+CUDA = True  # --device cpu runs the same steps on the tiny model (a smoke test of this script)
+
+
+def make_checkpoint(d: Path, layers: int) -> int:
+    spec = TinySpec(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, layers=layers,
+                    dtype="bfloat16", max_positions=8192)
+    nbytes, ntensors = write_model(d, spec, "cuda")
+    write_tokenizer(d, 512)
+    print(f"checkpoint_written dir={d} gib={nbytes / 2**30:.2f} tensors={ntensors}", flush=True)
+    return nbytes
+
+
+def node_config(a, run: Path, model: Path, batch_in: Path | None):
+    rport, eport = free_port_pair(), free_port_pair()
+    while eport in (rport, rport + 1) or eport + 1 == rport:
+        eport = free_port_pair()
+    services = [{"name": "chat", "standbys": 1, "kv_memory": a.kv_memory, "port": eport, "priority": 100}]
+    if batch_in is not None:
+        services.append({"name": "offline", "kind": "batch", "standbys": 0, "kv_memory": a.batch_kv_memory,
+                         "priority": 10, "port": free_port_pair(),
+                         "batch": {"input": str(batch_in), "output": str(batch_in.with_suffix(".out.jsonl"))}})
+    return parse_config({
+        "run_dir": str(run), "model": {"path": str(model), "dtype": a.dtype, "device": a.device, "tp": 1},
+        "router": {"port": rport, "probe_interval": 0.1, "probe_timeout": 0.25},
+        "supervisor": {"launch": "zygote", "log_level": "info", "ready_timeout": 900.0,
+                       "daemon_ready_timeout": 1800.0},
+        "service": services,
+    }, source="gpu-e2e")
+
+
+def log_events(path: Path, event: str) -> list[dict]:
+    found = []
+    for line in path.read_text(errors="replace").splitlines():
+        if f'"{event}"' in line:
+            try:
+                found.append(json.loads(line[line.index("{"):]))
+            except ValueError:
+                pass
+    return found
+
+
+async def measure(a, work: Path, model: Path, nbytes: int, report: dict) -> None:
+    from failover.supervisor import Supervisor
+
+    batch_in = None
+    if a.batch_items:
+        batch_in = work / "batch.jsonl"
+        batch_in.write_text("".join(json.dumps({"id": f"b{i}", "prompt": [1 + i % 400, 7, 9, 11],
+                                                "max_tokens": 64, "temperature": 0}) + "\n"
+                                    for i in range(a.batch_items)))
+    config = node_config(a, work / "run", model, batch_in)
+    node_log = work / "node.log"
+    base_mib = gpu_used_mib()
+    with open(node_log, "wb") as out:
+        sup = Supervisor(config, child_output=out)
+        t0 = time.monotonic()
+        try:
+            await sup.start()
+            report["node_up_s"] = round(time.monotonic() - t0, 2)
+            loaded = log_events(node_log, "rank_loaded")
+            if loaded:
+                report["daemon_load_s"] = loaded[0].get("seconds")
+                report["daemon_load_gbps"] = loaded[0].get("gbps")
+            chat = [s for s in sup.slots.values() if s.service == "chat"]
+            for s in chat:
+                report[f"{s.name}_weights_source"] = s.ready_info.get("weights_source")
+                report[f"{s.name}_attach_ms"] = round(1e3 * float(s.ready_info.get("weights_seconds") or 0), 1)
+                report[f"{s.name}_launch_to_ready_ms"] = round(1e3 * (s.ready_at - s.launched_at), 1)
+            await asyncio.sleep(1.0)
+            report["weights_gib"] = round(nbytes / 2**30, 2)
+            if CUDA:
+                used = gpu_used_mib() - base_mib
+                report["gpu_used_by_node_gib"] = round(used / 1024, 2)
+                report["weights_counted_once"] = int(used * 2**20 < 2 * nbytes)
+                report["gpu_apps"] = ";".join("/".join(r) for r in nvsmi("compute-apps=pid,used_memory"))
+            await failover_round(sup, report)
+            if batch_in is not None:
+                await preempt_round(sup, report, a)
+            write_fault(sup, model, report)
+        finally:
+            await sup.stop()
+
+
+async def failover_round(sup, report: dict) -> None:
+    load = Load(sup.router.url, max_tokens=32)
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        await load.learn_expected(s)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(load.run(4, stop))
+    await asyncio.sleep(3.0)
+    primary = sup.router.services["chat"].routable()
+    slot = sup.slots[primary.name]
+    killed = time.monotonic()
+    os.kill(slot.pid, signal.SIGKILL)
+    while not (slot.state == "running" and slot.ready_at and slot.ready_at > killed):
+        await asyncio.sleep(0.005)
+        if time.monotonic() - killed > 600:
+            raise TimeoutError("no relaunch within 600 s")
+    report["relaunch_to_ready_ms"] = round(1e3 * (slot.ready_at - killed), 1)
+    report["relaunch_weights_source"] = slot.ready_info.get("weights_source")
+    await asyncio.sleep(2.0)
+    stop.set()
+    await runner
+    first = min((p for p in load.progress if p > killed), default=None)
+    report["crash_blackout_ms"] = round(1e3 * (first - killed), 1) if first else None
+    report["router_failover"] = json.dumps(sup.router.promoter.last_failover, default=str)
+    report["requests"] = len(load.outcomes)
+    report["failed"] = sum(not o.ok for o in load.outcomes)
+
+
+async def preempt_round(sup, report: dict, a) -> None:
+    await asyncio.sleep(a.batch_run)
+    slot = next(s for s in sup.slots.values() if s.service == "offline")
+    pid = slot.pid
+    t = time.monotonic()
+    await sup.router.preempt("offline")
+    while pid is not None and Path(f"/proc/{pid}").exists():
+        await asyncio.sleep(0.001)
+    gone = time.monotonic()
+    while CUDA and any(r[0] == str(pid) for r in nvsmi("compute-apps=pid")):
+        await asyncio.sleep(0.01)
+    report["preempt_process_gone_ms"] = round(1e3 * (gone - t), 1)
+    report["preempt_memory_free_ms"] = round(1e3 * (time.monotonic() - t), 1)
+    t = time.monotonic()
+    await sup.router.resume("offline")
+    while not (slot.state == "running" and slot.ready_at and slot.ready_at > t):
+        await asyncio.sleep(0.005)
+    report["resume_to_ready_ms"] = round(1e3 * (slot.ready_at - t), 1)
+
+
+def write_fault(sup, model: Path, report: dict) -> None:
+    sock = str(sup.config.run_path / "daemon.sock")
+    env = dict(os.environ, PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}")
+    args = [sock, str(model), sup.config.model.dtype, sup.config.model.device]
+    w = subprocess.run([sys.executable, "-c", WRITER, *args], capture_output=True, text=True, env=env)
+    r = subprocess.run([sys.executable, "-c", READER, *args], capture_output=True, text=True, env=env)
+    before = [line for line in w.stdout.splitlines() if line.startswith("checksum")]
+    after = [line for line in r.stdout.splitlines() if line.startswith("checksum")]
+    report["write_fault_writer_rc"] = w.returncode
+    report["write_fault_went_through"] = int("WRITE WENT THROUGH" in w.stdout)
+    report["write_fault_data_unchanged"] = int(bool(before) and before == after)
+    report["write_fault_error"] = (w.stderr.strip().splitlines() or ["-"])[-1][:160]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", type=Path, default=None, help="checkpoint dir (generated if it has no config.json)")
+    p.add_argument("--layers", type=int, default=48, help="48: ~21.4 GiB; 32: the 8B's 15 GiB")
+    p.add_argument("--kv-memory", default="16GiB")
+    p.add_argument("--batch-kv-memory", default="8GiB")
+    p.add_argument("--batch-items", type=int, default=400, help="0: no batch service")
+    p.add_argument("--batch-run", type=float, default=5.0, help="seconds of batch work before the preemption")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke test on the tiny model")
+    a = p.parse_args()
+    global CUDA
+    CUDA = a.device == "cuda"
+    a.dtype = "bfloat16" if CUDA else "float32"
+    if not CUDA:
+        a.kv_memory, a.batch_kv_memory, a.batch_items = "32MiB", "32MiB", min(a.batch_items, 60)
+    configure_logging("warning", process="gpu-e2e")
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if CUDA else "cpu (smoke test)"
+    print(f"# gpu_e2e  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}Z  {platform.node()}  "
+          f"{gpu}  torch {torch.__version__}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="fo-gpu-") as tmp:
+        work = Path(tmp)
+        model = a.dir or work / "model"
+        t = time.monotonic()
+        if (model / "config.json").exists():
+            nbytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        elif CUDA:
+            nbytes = make_checkpoint(model, a.layers)
+        else:
+            from failover.tiny_model import write_checkpoint
+
+            write_checkpoint(model, TinySpec())
+            nbytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        print(f"checkpoint_ready_s={time.monotonic() - t:.1f}", flush=True)
+        report: dict = {}
+        try:
+            asyncio.run(measure(a, work, model, nbytes, report))
+        finally:
+            for k, v in report.items():
+                print(f"{k}={v}")
+            logs = work / "node.log"
+            if logs.exists():
+                tail = logs.read_text(errors="replace").splitlines()[-15:]
+                print("node.log tail:\n  " + "\n  ".join(tail))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
