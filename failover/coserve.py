@@ -24,9 +24,6 @@ when its files cannot be used (reported before any work is done).
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +31,6 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 import structlog
-from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from failover import slots
@@ -42,6 +38,7 @@ from failover.batch_io import BatchInputError, BatchOutputError, ResultLog, read
 from failover.batch_runner import BatchRunner
 from failover.config import ServiceConfig, _gpu_free, _mem_available, watched_services
 from failover.coserve_policy import CoservePolicy, Decision, PressurePolicy
+from failover.coserve_release import descendants, verify_released
 from failover.slots import Slot
 from router import states
 
@@ -51,7 +48,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 WAITING, RUNNING, PREEMPTED, DONE, FAILED = "waiting", "running", "preempted", "done", "failed"
-VERIFY_TIMEOUT = 5.0  # process tree gone and off the GPU after the engine exited
 
 
 @dataclass(slots=True)
@@ -144,6 +140,10 @@ class Coserver:
         assert job.runner is not None
         try:
             snap = await job.runner.run(lambda: self._backend(job))
+        except (OSError, ValueError, RuntimeError) as e:  # a result that could not be written or read
+            job.state, job.why = FAILED, f"the batch runner stopped: {e!r}"
+            self.sup.fail_service(job.name, job.why)
+            return
         finally:
             if job.results is not None and self.sup.stopping:
                 job.results.close()
@@ -363,115 +363,3 @@ class Coserver:
     # -- status ----------------------------------------------------------------------------------
     def status(self) -> dict:
         return {name: job.progress() for name, job in self.jobs.items()}
-
-    def bar(self) -> list[str]:
-        """One progress line per batch service, for a terminal."""
-        lines = []
-        for job in self.jobs.values():
-            p = job.progress()
-            total, done = p.get("total") or 0, p.get("done") or 0
-            width = 24
-            filled = int(width * done / total) if total else width
-            eta = p.get("eta_s")
-            lines.append(f"batch {job.name} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-                         f"{p.get('tokens_per_s', 0):.1f} tok/s ETA {'-' if eta is None else f'{eta:.0f}s'} "
-                         f"{job.state}{' (' + job.policy.reason + ')' if job.state == PREEMPTED else ''}")
-        return lines
-
-    async def report(self, interval: float = 2.0) -> None:
-        """In a terminal: the progress bar every ``interval`` s while it changes."""
-        last: list[str] = []
-        while any(j.state not in (DONE, FAILED) for j in self.jobs.values()):
-            await asyncio.sleep(interval)
-            lines = self.bar()
-            if lines != last:
-                for line in lines:
-                    self.sup.progress(line)
-                last = lines
-
-
-class BatchCollector:
-    """Batch progress on the router's /metrics (registered on its registry; read at scrape time)."""
-
-    def __init__(self, coserver: Coserver) -> None:
-        self.coserver = coserver
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        fams = {
-            "done": GaugeMetricFamily("failover_batch_done", "Batch requests with a result (errors included)", labels=["service"]),
-            "total": GaugeMetricFamily("failover_batch_total", "Batch requests in the input", labels=["service"]),
-            "errors": GaugeMetricFamily("failover_batch_errors", "Batch error records (bad lines, 4xx)", labels=["service"]),
-            "tokens_per_s": GaugeMetricFamily("failover_batch_tokens_per_second", "Generated tokens per second since start", labels=["service"]),
-            "eta_s": GaugeMetricFamily("failover_batch_eta_seconds", "Estimated seconds to finish (-1: unknown)", labels=["service"]),
-            "preempted": GaugeMetricFamily("failover_batch_preempted", "1 while the batch engine is evicted", labels=["service"]),
-            "preemptions": GaugeMetricFamily("failover_batch_preemptions", "Evictions since start", labels=["service"]),
-        }
-        for name, job in self.coserver.jobs.items():
-            p = job.progress()
-            for key, fam in fams.items():
-                if key == "preempted":
-                    value = 1.0 if job.state == PREEMPTED else 0.0
-                else:
-                    value = p.get(key)
-                    value = -1.0 if value is None else float(value)
-                fam.add_metric([name], value)
-        return list(fams.values())
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (tensor-parallel ranks), from /proc/PID/task/*/children."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            found += kids
-            todo += kids
-    return found
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
-def gpu_pids() -> set[int] | None:
-    """Pids holding a CUDA context, from nvidia-smi (None: no nvidia-smi to ask)."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        out = subprocess.run([smi, "--query-compute-apps=pid", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=5, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return {int(v) for v in out.split() if v.strip().isdigit()}
-
-
-async def verify_released(pids: list[int], device: str, timeout: float = VERIFY_TIMEOUT) -> bool:
-    """Every process of an evicted engine is gone and (CUDA) off the GPU; False after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if all(_gone(p) for p in pids):
-            if device != "cuda":
-                return True
-            on_gpu = await asyncio.to_thread(gpu_pids)
-            if on_gpu is None or not on_gpu.intersection(pids):
-                return True
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.01)

@@ -27,7 +27,8 @@ import structlog
 from failover import launch, processes, slots
 from failover.cache_proc import CacheDaemon
 from failover.config import Config, ServiceConfig
-from failover.coserve import BatchCollector, Coserver
+from failover.coserve import Coserver
+from failover.coserve_status import BatchCollector, report
 from failover.engine_args import engine_argv, external_argv
 from failover.node_router import NodeLauncher, NodeRouter, router_config
 from failover.processes import Child, ChildFailed
@@ -91,7 +92,7 @@ class Supervisor:
         self.serving = True
         self.coserve.start()
         if self.batch_bar and self.coserve.jobs:
-            self.background(self.coserve.report(), "batch-progress")
+            self.background(report(self.coserve, self.progress), "batch-progress")
         self.progress(f"serving on {self.config.router_url} (services: {', '.join(self.services)})")
 
     def _prepare_run_dir(self) -> None:

@@ -181,3 +181,36 @@ def test_status_line_of_a_batch_service():
         "tokens_per_s": 52.14, "eta_s": 75.0, "preemptions": 3}}]}
     assert render_table(doc).splitlines()[-1] == (
         "batch offline: preempted (load), 37/100 done (2 errors), 52.1 tok/s, ETA 1m15s, 3 preemptions")
+
+
+def test_shipped_coserve_examples_parse_and_the_cpu_one_passes_its_batch_checks(monkeypatch):
+    from failover.config import _check_batch_files, load_config
+
+    monkeypatch.chdir(REPO)  # the CPU example names its input relative to the repository root
+    cpu = load_config(REPO / "deploy" / "examples" / "coserve-cpu.toml")
+    gpu = load_config(REPO / "deploy" / "examples" / "coserve-gpu.toml")
+    assert [s.kind for s in cpu.service] == [s.kind for s in gpu.service] == ["online", "batch"]
+    assert _check_batch_files("service[1].batch", cpu.service[1].batch) == []
+
+
+def test_batch_keys_are_checked_with_their_key_path(tiny_model):
+    import pytest
+
+    from failover.config import ConfigError, parse_config
+
+    def problems(online_kw: dict, batch_kw: dict) -> str:
+        raw = {"run_dir": "/tmp/x", "model": {"path": str(tiny_model), "device": "cpu"}, "service": [
+            {"name": "chat", "port": 9100} | online_kw,
+            {"name": "offline", "kind": "batch", "standbys": 0, "port": 9200,
+             "batch": {"input": "in.jsonl", "output": "out.jsonl"} | batch_kw}]}
+        with pytest.raises(ConfigError) as info:
+            parse_config(raw)
+        return str(info.value)
+
+    msg = problems({}, {"watch": ["nope"], "ttft_low": 2.0, "memory_margin": "lots"})
+    assert "service[1].batch.watch: 'nope' is not an online service; online: ['chat']" in msg
+    assert "service[1].batch.ttft_low: 2.0 must be below ttft_high (1.0)" in msg
+    assert "service[1].batch.memory_margin:" in msg
+    assert "service[1].batch.evict_timeout: expected a number" in problems({}, {"evict_timeout": "soon"})
+    assert "only a service with kind = \"batch\" takes [service.batch]" in problems(
+        {"batch": {"input": "a", "output": "b"}}, {})

@@ -1,0 +1,71 @@
+"""Verifying that an evicted engine's memory is released, and how much memory is free.
+
+Without a CUDA context (the supervisor never creates one): processes through /proc, the GPU through
+``nvidia-smi``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import time
+
+VERIFY_TIMEOUT = 5.0  # process tree gone and off the GPU after the engine exited
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (tensor-parallel ranks), from /proc/PID/task/*/children."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def gpu_pids() -> set[int] | None:
+    """Pids holding a CUDA context, from nvidia-smi (None: no nvidia-smi to ask)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-compute-apps=pid", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=5, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {int(v) for v in out.split() if v.strip().isdigit()}
+
+
+async def verify_released(pids: list[int], device: str, timeout: float = VERIFY_TIMEOUT) -> bool:
+    """Every process of an evicted engine is gone and (CUDA) off the GPU; False after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if all(_gone(p) for p in pids):
+            if device != "cuda":
+                return True
+            on_gpu = await asyncio.to_thread(gpu_pids)
+            if on_gpu is None or not on_gpu.intersection(pids):
+                return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
