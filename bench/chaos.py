@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import json
 import os
 import shutil
@@ -39,12 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import chaos_faults as cf  # noqa: E402
+import chaos_report  # noqa: E402
 from chaos_clients import Quitters, SdkClients  # noqa: E402
 from chaos_node import REPO, SERVICE, Node, default_starter, leftovers, wait_gone  # noqa: E402
-from loadgen import Load, Outcome, blackouts, percentile  # noqa: E402
-
-FAULT_WINDOW = 2.0  # a request overlapping [fault, fault + 2 s] counts as "during a fault"
-
+from loadgen import Load  # noqa: E402
 
 @dataclass
 class Options:
@@ -264,7 +261,7 @@ async def drive(s: Soak, use_batch: bool) -> dict:
     quiesce = await wait_quiet(s)
     await s.check_daemon("end of the run")
     metrics = await node.metrics(s.session)
-    return build_report(s, load, sdk, quitters, metrics0, metrics, quiesce, elapsed, use_batch)
+    return chaos_report.build(s, load, sdk, quitters, metrics0, metrics, quiesce, elapsed, use_batch)
 
 
 async def wait_quiet(s: Soak, timeout: float = 20.0) -> dict:
@@ -293,132 +290,6 @@ async def wait_quiet(s: Soak, timeout: float = 20.0) -> dict:
             info["waited_s"] = round(timeout - (deadline - time.monotonic()), 2)
             return info
         await asyncio.sleep(0.2)
-
-
-def _pct(values: list[float]) -> dict:
-    return {"n": len(values), "p50_ms": round(percentile(values, 50) * 1e3, 1) if values else None,
-            "p99_ms": round(percentile(values, 99) * 1e3, 1) if values else None}
-
-
-def build_report(s: Soak, load: Load, sdk: SdkClients, quitters: Quitters, m0: dict, m1: dict, quiesce: dict,
-                 elapsed: float, use_batch: bool) -> dict:
-    by_start = sorted(s.faults, key=lambda f: f.at)
-    starts = [f.at for f in by_start]
-
-    def during(o: Outcome) -> bool:  # some fault f with [o.start, o.end] overlapping [f, f + window]
-        return bisect.bisect_right(starts, o.end) > bisect.bisect_left(starts, o.start - FAULT_WINDOW)
-
-    def last_fault(o: Outcome) -> str:
-        i = bisect.bisect_right(starts, o.end)
-        return by_start[i - 1].kind if i and o.end - starts[i - 1] < 15.0 else "no fault within 15 s"
-
-    everything = [("raw", o) for o in load.outcomes] + [("sdk", o) for o in sdk.outcomes]
-    failed = [(c, o) for c, o in everything if not o.ok]
-    by_cause: dict[str, int] = {}
-    by_fault: dict[str, int] = {}
-    for c, o in failed:
-        by_cause[f"{c}: {o.error}"] = by_cause.get(f"{c}: {o.error}", 0) + 1
-        by_fault[last_fault(o)] = by_fault.get(last_fault(o), 0) + 1
-    ok_lat = [(o.end - o.start, during(o)) for _, o in everything if o.ok]
-    primary = [f for f in s.faults if f.target == "primary"]
-    bo = blackouts(load.progress, [f.at for f in primary])
-    kinds: dict[str, dict] = {}
-    for f in s.faults:
-        k = kinds.setdefault(f.kind, {"n": 0, "recovery_s": []})
-        k["n"] += 1
-        if f.recovered_s is not None:
-            k["recovery_s"].append(f.recovered_s)
-    for k in kinds.values():
-        r = sorted(k.pop("recovery_s"))
-        k["recovery_p50_s"] = round(percentile(r, 50), 2) if r else None
-        k["recovery_max_s"] = round(r[-1], 2) if r else None
-
-    def metric(name: str) -> float:
-        return sum(v for k, v in m1.items() if k.split("{")[0] == name) - sum(
-            v for k, v in m0.items() if k.split("{")[0] == name)
-
-    def labelled(name: str) -> dict:
-        return {k.split("{", 1)[1].rstrip("}"): v - m0.get(k, 0.0) for k, v in m1.items()
-                if k.startswith(name + "{") and v - m0.get(k, 0.0)}
-
-    streams = [o for _, o in everything if o.stream]
-    return {
-        "command": "python3 bench/chaos.py " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("chaos.py") else "",
-        "seed": s.opts.seed, "duration_s": round(elapsed, 1), "fault_rate_per_min": s.opts.fault_rate,
-        "concurrency": s.opts.concurrency, "loadavg": os.getloadavg(), "cores": os.cpu_count(),
-        "requests": {
-            "sent": len(everything) + quitters.attempts, "checked": len(everything),
-            "raw_aiohttp": len(load.outcomes), "openai_sdk": len(sdk.outcomes),
-            "streams": len(streams), "chat": sum(1 for _, o in everything if o.chat),
-            "failed": len(failed), "failed_by_cause": by_cause, "failed_by_last_fault": by_fault,
-            "broken_streams": sum(1 for _, o in failed if o.stream),
-            "quitters": {"attempts": quitters.attempts, "left_after_events": dict(sorted(quitters.quit_after.items())),
-                         "finished_before_leaving": quitters.completed, "errors_before_leaving": quitters.errors},
-            "rps": round(len(everything) / elapsed, 1) if elapsed else 0.0,
-        },
-        "router": {"streams_migrated": metric("failover_router_migrations_total"),
-                   "retries": metric("failover_router_retries_total"),
-                   "failovers_by_reason": labelled("failover_router_failovers_total"),
-                   "requests_by_code": labelled("failover_router_requests_total")},
-        "latency": {"calm": _pct([t for t, d in ok_lat if not d]), "during_faults": _pct([t for t, d in ok_lat if d])},
-        "blackout": {"per_primary_fault_ms": [round(b * 1e3, 1) for b in bo], **_pct(bo),
-                     "max_ms": round(max(bo) * 1e3, 1) if bo else None,
-                     "longest_stream_stall_ms": round(max((o.max_gap for o in streams), default=0.0) * 1e3, 1)},
-        "faults": {"injected": len(s.faults), "skipped": s.skipped, "by_kind": dict(sorted(kinds.items())),
-                   "batch": "on" if use_batch else "skipped: the supervisor does not run kind=batch services yet",
-                   "problems": [f"{f.kind} t={f.at - s.t0:.1f}s: {p}" for f in s.faults for p in f.problems],
-                   "list": [f.as_json(s.t0) for f in s.faults]},
-        "daemon": {"baseline_bytes": s.baseline_bytes, "restarts_checked": sum(1 for c in s.daemon_checks
-                                                                              if c["why"].startswith("after kill:daemon")),
-                   "checks": s.daemon_checks},
-        "quiesce": quiesce,
-    }
-
-
-# -- printing ------------------------------------------------------------------------------------
-def render(r: dict) -> str:
-    q, rt, lat, bo, fa, sd = r["requests"], r["router"], r["latency"], r["blackout"], r["faults"], r["shutdown"]
-    lines = [
-        f"chaos soak: seed={r['seed']} duration={r['duration_s']}s fault_rate={r['fault_rate_per_min']}/min "
-        f"concurrency={r['concurrency']} cores={r['cores']} loadavg={'/'.join(f'{x:.1f}' for x in r['loadavg'])} "
-        f"startup={r['startup_s']}s",
-        f"requests: sent={q['sent']} checked={q['checked']} (raw aiohttp {q['raw_aiohttp']}, openai sdk "
-        f"{q['openai_sdk']}; streams {q['streams']}, chat {q['chat']}) rps={q['rps']}",
-        f"failed={q['failed']} broken_streams={q['broken_streams']}",
-    ]
-    lines += [f"  failed: {n} x {cause}" for cause, n in sorted(q["failed_by_cause"].items())]
-    lines += [f"  failed after: {n} x {k}" for k, n in sorted(q["failed_by_last_fault"].items())]
-    qt = q["quitters"]
-    lines.append(f"quitters (left on purpose, not failures): {qt['attempts']} attempts, left after events "
-                 f"{qt['left_after_events']}, finished first {qt['finished_before_leaving']}, "
-                 f"errors before leaving {qt['errors_before_leaving']}")
-    lines.append(f"router: streams_migrated={rt['streams_migrated']:.0f} retries={rt['retries']:.0f} "
-                 f"failovers={rt['failovers_by_reason']} codes={rt['requests_by_code']}")
-    lines.append(f"latency calm: n={lat['calm']['n']} p50={lat['calm']['p50_ms']}ms p99={lat['calm']['p99_ms']}ms | "
-                 f"during faults: n={lat['during_faults']['n']} p50={lat['during_faults']['p50_ms']}ms "
-                 f"p99={lat['during_faults']['p99_ms']}ms")
-    lines.append(f"blackout per primary fault: n={bo['n']} p50={bo['p50_ms']}ms p99={bo['p99_ms']}ms "
-                 f"max={bo['max_ms']}ms longest_stream_stall={bo['longest_stream_stall_ms']}ms")
-    lines.append(f"  all: {bo['per_primary_fault_ms']}")
-    lines.append(f"faults: injected={fa['injected']} skipped={len(fa['skipped'])} batch={fa['batch']}")
-    for kind, k in fa["by_kind"].items():
-        lines.append(f"  {kind:16s} n={k['n']:3d} recovery p50={k['recovery_p50_s']}s max={k['recovery_max_s']}s")
-    lines += [f"  PROBLEM: {p}" for p in fa["problems"]]
-    lines += [f"  skipped: {x}" for x in fa["skipped"]]
-    d = r["daemon"]
-    bad = [c for c in d["checks"] if not c["ok"]]
-    lines.append(f"daemon accounting: baseline={d['baseline_bytes']} bytes; {len(d['checks'])} checks "
-                 f"({d['restarts_checked']} after daemon kills), {len(bad)} off baseline"
-                 + "".join(f"\n  OFF: {c}" for c in bad))
-    qu = r["quiesce"]
-    lines.append(f"after the load: router inflight={qu['router_inflight']} queued={qu['router_queued']} "
-                 f"engine running={qu['engine_running']} ok={qu['ok']}")
-    lines.append(f"shutdown: exit={sd['exit_code']} in {sd['seconds']}s; leftover processes={len(sd['processes'])} "
-                 f"run-dir files={sd['run_dir_files']} (dir exists: {sd['run_dir_exists']}) memfds={len(sd['memfds'])} "
-                 f"arena mappings={len(sd['arena_mappings'])} (unrelated memfds on the machine: {sd['foreign_memfds']})")
-    lines += [f"  LEFT: {p}" for p in sd["processes"] + sd["memfds"]]
-    lines.append(f"clean={r['clean']} passed={r['passed']}")
-    return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
@@ -453,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     report = None
     try:
         report = asyncio.run(soak(opts, workdir=workdir))
-        print(render(report), flush=True)
+        print(chaos_report.render(report), flush=True)
         if opts.json_path:
             opts.json_path.write_text(json.dumps(report, indent=2) + "\n")
         return 0 if report["passed"] else 1

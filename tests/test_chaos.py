@@ -32,8 +32,9 @@ if str(REPO / "bench") not in sys.path:
 
 import chaos  # noqa: E402
 import chaos_faults  # noqa: E402
+import chaos_report  # noqa: E402
 
-pytestmark = pytest.mark.slow  # ~60-80 s on a 2-core machine
+pytestmark = pytest.mark.slow  # 55-80 s on a busy 2-core machine (startup, >= 40 s of faults, shutdown)
 
 
 def test_chaos_soak_short(tiny_model, run_dir, tmp_path, procs):
@@ -41,7 +42,7 @@ def test_chaos_soak_short(tiny_model, run_dir, tmp_path, procs):
                          batch="off")
     report = asyncio.run(chaos.soak(opts, workdir=tmp_path, model=tiny_model, run_dir=run_dir,
                                     starter=procs.start))
-    text = chaos.render(report)
+    text = chaos_report.render(report)
     faults, requests = report["faults"], report["requests"]
 
     # at least ten faults, the first ones one of each kind (the schedule deals every kind first)
