@@ -269,7 +269,7 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=4, help="batch requests in flight (and its max_batch)")
     p.add_argument("--clients", type=int, default=2, help="closed-loop online streaming clients")
     p.add_argument("--online-tokens", type=int, default=16)
-    p.add_argument("--phase", type=float, default=10.0, help="seconds of online load per TTFT phase")
+    p.add_argument("--phase", type=float, default=15.0, help="seconds of online load per TTFT phase")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--run", type=float, default=1.5, help="seconds the batch runs before each preemption")
     p.add_argument("--pause", type=float, default=0.5, help="seconds preempted in each round")
