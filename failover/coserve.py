@@ -321,14 +321,7 @@ class Coserver:
                 text = await resp.text()
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return None
-        total = count = 0.0
-        for family in text_string_to_metric_families(text):
-            if family.name == "engine_time_to_first_token_seconds":
-                for s in family.samples:
-                    if s.name.endswith("_sum"):
-                        total += s.value
-                    elif s.name.endswith("_count"):
-                        count += s.value
+        total, count = ttft_totals(text)
         last = self._ttft.get(inst.name)
         self._ttft[inst.name] = (inst.pid, total, count)
         if last is None or last[0] != inst.pid or count <= last[2]:
@@ -363,3 +356,16 @@ class Coserver:
     # -- status ----------------------------------------------------------------------------------
     def status(self) -> dict:
         return {name: job.progress() for name, job in self.jobs.items()}
+
+
+def ttft_totals(metrics_text: str) -> tuple[float, float]:
+    """(sum of seconds, count) of an engine's time-to-first-token histogram, from its /metrics page."""
+    total = count = 0.0
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == "engine_time_to_first_token_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_sum"):
+                    total += sample.value
+                elif sample.name.endswith("_count"):
+                    count += sample.value
+    return total, count

@@ -214,3 +214,15 @@ def test_batch_keys_are_checked_with_their_key_path(tiny_model):
     assert "service[1].batch.evict_timeout: expected a number" in problems({}, {"evict_timeout": "soon"})
     assert "only a service with kind = \"batch\" takes [service.batch]" in problems(
         {"batch": {"input": "a", "output": "b"}}, {})
+
+
+def test_ttft_is_read_from_the_engines_own_metrics_page():
+    from engine.metrics import EngineMetrics
+    from failover.coserve import ttft_totals
+
+    m = EngineMetrics("chat")
+    assert ttft_totals(m.render().decode()) == (0.0, 0.0)
+    for seconds in (0.1, 0.3):
+        m.ttft.labels("chat").observe(seconds)
+    total, count = ttft_totals(m.render().decode())
+    assert count == 2 and abs(total - 0.4) < 1e-9
