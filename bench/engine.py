@@ -8,8 +8,9 @@ Time-to-ready is measured from spawning ``failover engine`` to the first 200 fro
 includes the interpreter and ``import torch``, which the supervisor's zygote removes); the engine's
 own ``weights_seconds`` and ``startup_seconds`` (from its /ready body) are printed beside it. Disk
 runs are measured warm (checkpoint in the page cache) and cold (pages dropped with
-``posix_fadvise(DONTNEED)`` first). On CPU the disk path is itself lazy (safetensors maps the file), so
-its 'weights' figure is small and the reading happens in the warm-up: compare 'in-process startup'. Decode tokens/s are measured in process for both engines as
+``posix_fadvise(DONTNEED)`` first). On CPU a safetensors load is itself a mapping of the page cache and
+the engine prefaults both sources (MADV_POPULATE_READ), so cache and disk differ little there; the
+copy that the cache saves is the host-to-device one on CUDA. Decode tokens/s are measured in process for both engines as
 ``B * (T - 1) / time from the first generated token to the last`` (median of 3), i.e. without the
 prefill; transformers' first token is timed through ``generate``'s streamer hook.
 """
@@ -355,7 +356,7 @@ def main(argv=None) -> int:
                 print(f"  {how:<21} {label:<27} ready {r['ready_s']:7.3f} s   weights {r['weights_s']:7.3f} s   "
                       f"in-process startup {r['startup_s']:7.3f} s")
             if args.device == "cpu":
-                print("  (cpu: a disk load maps the safetensors lazily; its reads land in the warm-up)")
+                print("  (cpu: both sources end as mappings of resident pages; 'weights' includes prefaulting them)")
             for how in ("new process", "forked, pre-imported"):
                 c = ready[(how, "cache")]
                 for label in ("disk (warm page cache)", "disk (cold: pages dropped)"):
