@@ -189,7 +189,7 @@ async def run(a: argparse.Namespace, workdir: Path, model: Path) -> int:
                 print("the batch finished before all rounds; raise --items", flush=True)
                 break
             await sup.router.preempt("offline")
-            p = dict(job.last_preempt)
+            p = {"trigger_to_gone_ms": float("nan"), "killed": False} | dict(job.last_preempt)
             await asyncio.sleep(a.pause)
             resumed_at = time.monotonic()
             await sup.router.resume("offline")
@@ -228,7 +228,7 @@ async def run(a: argparse.Namespace, workdir: Path, model: Path) -> int:
 
 def summarize(a: argparse.Namespace, o: dict) -> None:
     ms = lambda xs: [1e3 * x for x in xs]  # noqa: E731
-    pre_gone = [r["preempt"]["trigger_to_gone_ms"] for r in o["rounds"]]
+    pre_gone = [r["preempt"]["trigger_to_gone_ms"] for r in o["rounds"] if not r["preempt"].get("no_process")]
     pre_free = [r["preempt"]["trigger_to_memory_free_ms"] for r in o["rounds"]]
     ready = [r["resume"]["ready_ms"] for r in o["rounds"] if "ready_ms" in r["resume"]]
     first = [r["resume"]["first_result_ms"] for r in o["rounds"] if "first_result_ms" in r["resume"]]

@@ -118,7 +118,7 @@ class Coserver:
                 continue
             job.runner = BatchRunner(items, job.results, concurrency=b.concurrency,
                                      on_record=lambda rec, job=job: self._recorded(job), model=job.name)
-            if job.runner.remaining == 0 and not job.runner._queue:
+            if job.runner.remaining == 0:
                 job.slot.hold = True  # a restart after the whole input was done: nothing to run
                 job.state = DONE
                 log.info("batch_already_done", service=job.name, total=job.runner.progress.total)
@@ -220,8 +220,12 @@ class Coserver:
                 await asyncio.sleep(0.005)
             task.cancel()
         child = slot.child
-        if child is None or not child.alive:
+        if child is None or not child.alive:  # between processes (crashed, or never started)
             job.state = PREEMPTED if job.state != DONE else job.state
+            job.preemptions += 1
+            job.last_preempt = {"reason": reason, "pid": None, "cut_off": cut, "no_process": True,
+                                "trigger_to_memory_free_ms": round((time.monotonic() - t0) * 1e3, 1)}
+            log.info("batch_preempted", service=job.name, **job.last_preempt)
             return
         tree = [child.pid, *descendants(child.pid)]
         # A launch still waiting for /ready moves the slot to STOPPING itself when cancelled.
@@ -255,7 +259,7 @@ class Coserver:
             job.policy.operator_resume(t0)
         if job.state != PREEMPTED:
             return
-        job.state = RUNNING
+        job.state = WAITING  # running again once its engine serves (see _backend)
         job.resumes += 1
         job.resume_at = t0
         job.last_resume = {"reason": reason}
