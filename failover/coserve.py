@@ -123,6 +123,12 @@ class Coserver:
                 job.state = DONE
                 log.info("batch_already_done", service=job.name, total=job.runner.progress.total)
 
+    def close(self) -> None:
+        """At shutdown, after the runners were cancelled: the result files."""
+        for job in self.jobs.values():
+            if job.results is not None:
+                job.results.close()
+
     def _give_up(self, job: BatchJob, why: str) -> None:
         job.state, job.why = FAILED, why
         job.slot.hold = True
@@ -144,9 +150,6 @@ class Coserver:
             job.state, job.why = FAILED, f"the batch runner stopped: {e!r}"
             self.sup.fail_service(job.name, job.why)
             return
-        finally:
-            if job.results is not None and self.sup.stopping:
-                job.results.close()
         job.state = DONE
         self.sup.progress(f"batch {job.name}: done, {snap['done']}/{snap['total']} "
                           f"({snap['errors']} error records) -> {job.svc.batch.output}")

@@ -347,6 +347,7 @@ class Supervisor:
         for task in [*self._tasks.values(), *self._bg]:
             task.cancel()
         await asyncio.gather(*self._tasks.values(), *self._bg, return_exceptions=True)
+        self.coserve.close()  # the batch runners are stopped: their result files
         # 2. The router stops taking requests and lets in-flight ones finish (its shutdown_timeout).
         await self.router.stop()
         # 3. Engines: SIGTERM (they drain), SIGKILL after stop_timeout.
