@@ -106,7 +106,7 @@ def get_ready(port: int):
 
 def engine_cmd(model: Path, args, source: str, socket: Path | None, port: int) -> list[str]:
     cmd = ["--model", str(model), "--port", str(port), "--weights", source, "--device", args.device,
-           "--kv-memory", "64M", "--max-batch", "4"]
+           "--kv-memory", "64M" if args.device == "cpu" else "4G", "--max-batch", "4"]
     return cmd + (["--socket", str(socket)] if socket else [])
 
 

@@ -188,6 +188,9 @@ async def preempt_round(sup, report: dict, a) -> None:
     await asyncio.sleep(a.batch_run)
     slot = next(s for s in sup.slots.values() if s.service == "offline")
     pid = slot.pid
+    if pid is None or slot.state != "running":
+        report["preempt"] = f"skipped: batch slot is {slot.state} (finished already?)"
+        return
     t = time.monotonic()
     await sup.router.preempt("offline")
     while pid is not None and Path(f"/proc/{pid}").exists():
@@ -201,6 +204,8 @@ async def preempt_round(sup, report: dict, a) -> None:
     await sup.router.resume("offline")
     while not (slot.state == "running" and slot.ready_at and slot.ready_at > t):
         await asyncio.sleep(0.005)
+        if time.monotonic() - t > 120:
+            raise TimeoutError("the batch engine did not come back within 120 s")
     report["resume_to_ready_ms"] = round(1e3 * (slot.ready_at - t), 1)
 
 
