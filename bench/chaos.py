@@ -61,7 +61,7 @@ class Options:
 def batch_supported() -> bool:
     """Does the supervisor run ``kind = "batch"`` services yet (issue 6)? Its source tells."""
     text = (REPO / "failover" / "supervisor.py").read_text()
-    return "batch_runner" in text or "BatchRunner" in text
+    return any(name in text for name in ("Coserver", "batch_runner", "BatchRunner"))
 
 
 @dataclass
@@ -208,7 +208,8 @@ async def soak(opts: Options, *, workdir: Path, model: Path | None = None, run_d
     batch = None
     if use_batch:
         (workdir / "batch.jsonl").write_text("".join(
-            json.dumps({"id": f"b{i}", "prompt": f"batch item {i}", "max_tokens": 16}) + "\n" for i in range(100000)))
+            json.dumps({"id": f"b{i}", "prompt": f"batch item {i}", "max_tokens": 16, "temperature": 0}) + "\n"
+            for i in range(20000)))
         batch = {"input": str(workdir / "batch.jsonl"), "output": str(workdir / "batch.out.jsonl")}
     node = Node(workdir, model, run_dir or workdir / "run", log_level=opts.log_level, batch=batch, starter=starter)
     t_start = time.monotonic()
@@ -227,12 +228,25 @@ async def soak(opts: Options, *, workdir: Path, model: Path | None = None, run_d
                               **leftovers(node, s.arena_keys), "left_pids": left_pids}
     finally:
         node.kill()  # a no-op after a clean shutdown
+    report["batch"] = batch_results(Path(batch["output"])) if batch else None
     sd = report["shutdown"]
     report["clean"] = (sd["exit_code"] == 0 and not sd["processes"] and not sd["run_dir_files"]
                        and not sd["memfds"] and not sd["arena_mappings"])
     report["passed"] = (report["clean"] and report["requests"]["failed"] == 0 and report["quiesce"]["ok"]
-                        and all(c["ok"] for c in report["daemon"]["checks"]) and not report["faults"]["problems"])
+                        and all(c["ok"] for c in report["daemon"]["checks"]) and not report["faults"]["problems"]
+                        and not (report["batch"] or {}).get("duplicates"))
     return report
+
+
+def batch_results(path: Path) -> dict:
+    """The batch's result file: every request id at most once, however often its engine died."""
+    ids: dict[str, int] = {}
+    errors = 0
+    for line in path.read_text().splitlines() if path.exists() else []:
+        record = json.loads(line)
+        ids[record["id"]] = ids.get(record["id"], 0) + 1
+        errors += record.get("error") is not None
+    return {"done": len(ids), "duplicates": sum(n - 1 for n in ids.values()), "errors": errors}
 
 
 async def drive(s: Soak, use_batch: bool) -> dict:

@@ -95,6 +95,12 @@ port = {batch['port']}
 [service.batch]
 input = "{batch['input']}"
 output = "{batch['output']}"
+concurrency = 2
+# the co-serving load triggers out of reach: the batch engine stays up, to be faulted
+queue_high = 100000
+queue_low = 50000
+ttft_high = 3600.0
+ttft_low = 1800.0
 """
     return text
 

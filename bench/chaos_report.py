@@ -93,7 +93,7 @@ def build(s, load, sdk, quitters, m0: dict, m1: dict, quiesce: dict, elapsed: fl
                      "router_ms": [f.detail["router"]["blackout_ms"] if "router" in f.detail else None for f in primary],
                      "longest_stream_stall_ms": round(max((o.max_gap for o in streams), default=0.0) * 1e3, 1)},
         "faults": {"injected": len(s.faults), "skipped": s.skipped, "by_kind": dict(sorted(kinds.items())),
-                   "batch": "on" if use_batch else "skipped: the supervisor does not run kind=batch services yet",
+                   "batch": "on" if use_batch else "off",
                    "problems": [f"{f.kind} t={f.at - s.t0:.1f}s: {p}" for f in s.faults for p in f.problems],
                    "list": [f.as_json(s.t0) for f in s.faults]},
         "daemon": {"baseline_bytes": s.baseline_bytes, "restarts_checked": sum(1 for c in s.daemon_checks
@@ -148,5 +148,8 @@ def render(r: dict) -> str:
                  f"run-dir files={sd['run_dir_files']} (dir exists: {sd['run_dir_exists']}) memfds={len(sd['memfds'])} "
                  f"arena mappings={len(sd['arena_mappings'])} (unrelated memfds on the machine: {sd['foreign_memfds']})")
     lines += [f"  LEFT: {p}" for p in sd["processes"] + sd["memfds"]]
+    if r.get("batch"):
+        b = r["batch"]
+        lines.append(f"batch results: {b['done']} ids done, {b['duplicates']} duplicates, {b['errors']} errors")
     lines.append(f"clean={r['clean']} passed={r['passed']}")
     return "\n".join(lines)
