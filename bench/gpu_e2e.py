@@ -155,6 +155,17 @@ async def measure(a, work: Path, model: Path, nbytes: int, report: dict) -> None
             await sup.stop()
 
 
+def startup_steps(node_log: Path) -> str:
+    """Where the last-started engine spent its start: seconds from 'listening' to each later step."""
+    from datetime import datetime as dt
+
+    lines = {e: log_events(node_log, e) for e in ("listening", "weights_loaded", "kv_cache_allocated", "engine_ready")}
+    if not all(lines.values()):
+        return "-"
+    at = {e: dt.fromisoformat(v[-1]["timestamp"].replace("Z", "+00:00")) for e, v in lines.items()}
+    return " ".join(f"{e}=+{(at[e] - at['listening']).total_seconds():.3f}s" for e in at if e != "listening")
+
+
 async def failover_round(sup, report: dict) -> None:
     load = Load(sup.router.url, max_tokens=32)
     import aiohttp
@@ -174,6 +185,8 @@ async def failover_round(sup, report: dict) -> None:
             raise TimeoutError("no relaunch within 600 s")
     report["relaunch_to_ready_ms"] = round(1e3 * (slot.ready_at - killed), 1)
     report["relaunch_weights_source"] = slot.ready_info.get("weights_source")
+    report["relaunch_engine_startup_s"] = slot.ready_info.get("startup_seconds")
+    report["relaunch_engine_steps"] = startup_steps(sup.config.run_path.parent / "node.log")
     await asyncio.sleep(2.0)
     stop.set()
     await runner
