@@ -61,6 +61,13 @@ class Procs:
 
     def __init__(self) -> None:
         self.started: list[subprocess.Popen] = []
+        self.files: list[Path] = []
+
+    def temp_file(self, prefix: str, suffix: str = ".log") -> tuple[int, Path]:
+        """An open temp file (fd, path) for a child's output, removed by stop_all()."""
+        fd, path = tempfile.mkstemp(prefix=prefix, suffix=suffix)
+        self.files.append(Path(path))
+        return fd, Path(path)
 
     def start(self, args: list[str], **kw) -> subprocess.Popen:
         kw.setdefault("start_new_session", True)
@@ -84,6 +91,11 @@ class Procs:
                 proc.wait(5)
             # the group may hold grandchildren even after the leader exited
             _signal_group(proc, signal.SIGKILL)
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+        for path in self.files:
+            path.unlink(missing_ok=True)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -97,13 +96,13 @@ def hf_logits(model: Path, ids: list[int]):
 def start_engine(procs, model: Path, port: int, *args: str, wait: bool = True) -> subprocess.Popen:
     """Start ``failover engine``; its stderr (the JSON log) goes to a file at ``proc.log_path``
     (a pipe nobody reads would fill up and block the engine)."""
-    fd, log_path = tempfile.mkstemp(prefix="engine-", suffix=".log")
+    fd, log_path = procs.temp_file("engine-")
     try:
         proc = procs.python("-m", "failover", "engine", "--model", str(model), "--port", str(port),
                             "--log-level", "info", *args, stderr=fd, stdout=subprocess.DEVNULL)
     finally:
         os.close(fd)
-    proc.log_path = Path(log_path)
+    proc.log_path = log_path
     if wait:
         wait_engine_ready(proc, port)
     return proc

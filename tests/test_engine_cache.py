@@ -4,6 +4,7 @@ and clear failures."""
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -27,6 +28,7 @@ def daemon(tiny_model):
     yield run_dir / "daemon.sock"
     stop_daemon(proc)
     procs.stop_all()
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def test_cache_logits_match_transformers_and_are_not_copied(daemon, tiny_model):

@@ -7,6 +7,7 @@ Run on a GPU machine: ``python3 -m pytest tests/test_engine_cuda.py -q`` (skippe
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -27,6 +28,7 @@ def cuda_daemon(tiny_model):
     yield run_dir / "daemon.sock"
     stop_daemon(proc)
     procs.stop_all()
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def test_cuda_engine_serves_from_cache_mapped_weights(cuda_daemon, tiny_model, procs):

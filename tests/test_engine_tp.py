@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ def daemon(tiny_model):
     yield run_dir / "daemon.sock"
     stop_daemon(proc)
     procs.stop_all()
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def test_tp2_logits_match_transformers_from_disk_and_cache(daemon, tiny_model, procs, tmp_path):
