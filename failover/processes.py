@@ -159,7 +159,10 @@ def reap_orphans() -> list[int]:
             return reaped
         if info.si_pid in _WATCHED:  # its Child reaps it, with its status, on its pidfd turn
             return reaped
-        os.waitpid(info.si_pid, 0)
+        try:
+            os.waitpid(info.si_pid, 0)
+        except ChildProcessError:  # another waiter (a subprocess.run, say) took it in between
+            continue
         reaped.append(info.si_pid)
 
 
