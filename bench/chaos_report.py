@@ -138,8 +138,10 @@ def render(r: dict) -> str:
     lines += [f"  skipped: {x}" for x in fa["skipped"]]
     d = r["daemon"]
     bad = [c for c in d["checks"] if not c["ok"]]
+    stray = max((c["idle_connections"] for c in d["checks"]), default=0)
     lines.append(f"daemon accounting: baseline={d['baseline_bytes']} bytes; {len(d['checks'])} checks "
-                 f"({d['restarts_checked']} after daemon kills), {len(bad)} off baseline"
+                 f"({d['restarts_checked']} after daemon kills), {len(bad)} off baseline; most connections "
+                 f"neither ours nor an engine's at a check: {stray}"
                  + "".join(f"\n  OFF: {c}" for c in bad))
     qu = r["quiesce"]
     lines.append(f"after the load: router inflight={qu['router_inflight']} queued={qu['router_queued']} "

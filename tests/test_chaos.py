@@ -68,6 +68,7 @@ def test_chaos_soak_short(tiny_model, run_dir, tmp_path, procs):
     assert report["quiesce"]["ok"], text
     assert all(c["ok"] for c in report["daemon"]["checks"]), text
     assert report["daemon"]["restarts_checked"] >= 1, text
+    assert report["daemon"]["checks"][-1]["idle_connections"] == 0, text  # no garbage connection kept
 
     # nor after a clean shutdown: no process, socket, file, memfd or mapping of the arena
     shutdown = report["shutdown"]
