@@ -200,11 +200,13 @@ class EngineServer:
             await send(err.body())
             await resp.write_eof()
             return resp
-        except (ConnectionResetError, asyncio.CancelledError):
+        except (ConnectionResetError, asyncio.CancelledError) as e:
             # the client went away: closing the generator above aborted the sequence
             self.metrics.outcome("disconnect")
             log.info("client_disconnected", request=req.id)
-            raise
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return resp  # nothing to report to a peer that is gone (re-raising only logs a traceback)
         self.metrics.outcome(reason)
         return resp
 

@@ -74,6 +74,10 @@ class Proxy:
             if relay is not None and relay.response is not None:
                 return relay.response
             return web.Response(status=499)  # nobody is there to read it
+        except asyncio.CancelledError:
+            # handler_cancellation: a client that disconnects cancels this handler outright
+            self.metrics.requests.labels(service.name, "client_gone").inc()
+            raise
 
     async def _serve(self, request: web.Request, service: Service, body: bytes,
                      relay: StreamRelay | None, t0: float) -> web.StreamResponse:
