@@ -175,6 +175,7 @@ class Node:
         self._log = open(self.log_path, "wb")
         self.proc = procs.python("-m", "failover", "up", str(self.config_path), stdout=self._log,
                                  stderr=subprocess.STDOUT)
+        self._log.close()  # the child holds its own copy; none of ours can outlive a failed test
         from failover.config import load_config
 
         self.config = load_config(self.config_path)
