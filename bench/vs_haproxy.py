@@ -114,9 +114,12 @@ async def phase_router(model: Path, args, logs: Path) -> dict:
         ov = await overhead(first[0].url, router.url, args.overhead_n)
 
         async def kill_primary() -> float:
-            while (primary := router.services["default"].routable()) is None:
-                await asyncio.sleep(0.05)  # the previous failover is still settling
-            name = primary.name
+            svc = router.services["default"]
+            # as in the HAProxy phase, where the backup is never the one killed, a ready standby
+            # must be there: the previous kill's replacement may still be starting
+            while svc.routable() is None or not any(i.ready for i in svc.standbys()):
+                await asyncio.sleep(0.05)
+            name = svc.routable().name
             t = time.monotonic()
             engines[name].signal(signal.SIGKILL)
             return t
