@@ -247,13 +247,3 @@ async def wait_http_ready(url: str, child: Child | None, timeout: float,
             next_note = now + 5.0
         await asyncio.sleep(0.01)
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-

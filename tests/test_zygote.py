@@ -8,7 +8,7 @@ import signal
 import time
 from pathlib import Path
 
-from failover.processes import pid_alive
+from cache_daemon.procutil import pid_alive
 
 TESTS = Path(__file__).resolve().parent
 
