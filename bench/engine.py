@@ -89,11 +89,9 @@ def drop_page_cache(model: Path) -> None:
 
 
 def free_port() -> int:
-    import socket
+    from failover.ports import free_port as pick
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return pick()
 
 
 def get_ready(port: int):

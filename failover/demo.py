@@ -13,7 +13,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -24,18 +23,12 @@ import aiohttp
 
 from cache_daemon.logs import configure_logging
 from failover.config import parse_config
+from failover.ports import free_ports
 
 
 def free_port_pair() -> int:
     """A free port whose successor is free too (a primary and a standby)."""
-    from failover.config import port_is_free
-
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 65535 and port_is_free("127.0.0.1", port + 1):
-            return port
+    return free_ports(2)
 
 
 @dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,15 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from failover import ports
 from failover.tiny_model import TinySpec, write_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.free_port()
 
 
 def has_cuda() -> bool:
