@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 from pathlib import Path
 
 from conftest import free_port
-from supervisor_helpers import Node, _table, http, wait_until
+from supervisor_helpers import Node, _table, http
 
 
 def batch_input(path: Path, n: int, *, max_tokens: int = 8, bad_lines: bool = True) -> list[str]:
@@ -75,21 +74,9 @@ class CoNode(Node):
     """`failover up` on a co-serving config (online + batch services); ``stop()`` checks the cleanup."""
 
     def __init__(self, procs, tiny_model, run_dir, services: list[dict], **kw) -> None:
-        from failover.config import load_config
-
-        self.run_dir = Path(run_dir) / "node"
-        self.config_path = node_config(Path(run_dir) / "node.toml", model=tiny_model, run_dir=self.run_dir,
-                                       services=services, **kw)
-        self.log_path = Path(run_dir) / "up.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = procs.python("-m", "failover", "up", str(self.config_path), stdout=self._log,
-                                 stderr=subprocess.STDOUT)
-        self._log.close()  # the child holds its own copy; none of ours can outlive a failed test
-        self.config = load_config(self.config_path)
-        self.url = self.config.router_url
-        self.seen_pids: set[int] = set()
-        wait_until(self._ready, 120, "the node to serve")
-        self.token = self.config.token_path.read_text().strip()
+        config_path = node_config(Path(run_dir) / "node.toml", model=tiny_model, run_dir=Path(run_dir) / "node",
+                                  services=services, **kw)
+        self._launch(procs, Path(run_dir), config_path, ready_timeout=120)
 
     def batch(self, service: str) -> dict:
         return self.status()["supervisor"]["batch"][service]

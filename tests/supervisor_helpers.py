@@ -168,10 +168,15 @@ class Node:
     """One `failover up` process on a fresh config; ``stop()`` checks it left nothing behind."""
 
     def __init__(self, procs, tiny_model, run_dir, **config_overrides) -> None:
-        self.run_dir = Path(run_dir) / "node"
-        self.config_path = write_config(Path(run_dir) / "node.toml", model=tiny_model, run_dir=self.run_dir,
-                                        **config_overrides)
-        self.log_path = Path(run_dir) / "up.log"
+        config_path = write_config(Path(run_dir) / "node.toml", model=tiny_model, run_dir=Path(run_dir) / "node",
+                                   **config_overrides)
+        self._launch(procs, Path(run_dir), config_path, ready_timeout=90)
+
+    def _launch(self, procs, run_dir: Path, config_path: Path, ready_timeout: float) -> None:
+        """Start `failover up` on ``config_path`` and wait until its router is ready."""
+        self.run_dir = run_dir / "node"
+        self.config_path = config_path
+        self.log_path = run_dir / "up.log"
         self._log = open(self.log_path, "wb")
         self.proc = procs.python("-m", "failover", "up", str(self.config_path), stdout=self._log,
                                  stderr=subprocess.STDOUT)
@@ -181,7 +186,7 @@ class Node:
         self.config = load_config(self.config_path)
         self.url = self.config.router_url
         self.seen_pids: set[int] = set()
-        wait_until(self._ready, 90, "the node to serve")
+        wait_until(self._ready, ready_timeout, "the node to serve")
         self.token = self.config.token_path.read_text().strip()
 
     def _ready(self) -> bool:
