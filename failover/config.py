@@ -19,6 +19,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from failover import nvidia_smi
 from failover.config_errors import explain, unknown_key
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
@@ -361,7 +362,7 @@ def _check_memory(config: Config) -> list[str]:
         free, where = _mem_available(), "MemAvailable in /proc/meminfo"
     else:
         weights //= config.model.tp
-        free, where = _gpu_free(), "free memory of the emptiest GPU (nvidia-smi)"
+        free, where = nvidia_smi.gpu_free_bytes(), "free memory of the emptiest GPU (nvidia-smi)"
     if free is None or kv + weights <= free:
         return []
     gib = 1 << 30
@@ -378,23 +379,6 @@ def _mem_available() -> int | None:
     except OSError:
         return None
     return None
-
-
-def _gpu_free() -> int | None:
-    """Without a CUDA context (the supervisor never makes one): ask nvidia-smi, if there is one."""
-    import shutil
-    import subprocess
-
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        out = subprocess.run([smi, "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    values = [int(v) for v in out.split() if v.strip().isdigit()]
-    return min(values) << 20 if values else None
 
 
 def _live_supervisor(run: Path) -> int | None:

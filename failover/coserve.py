@@ -36,7 +36,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from failover import slots
 from failover.batch_io import BatchInputError, BatchOutputError, ResultLog, read_items
 from failover.batch_runner import BatchRunner
-from failover.config import ServiceConfig, _gpu_free, _mem_available, watched_services
+from failover.config import ServiceConfig, _mem_available, watched_services
+from failover.nvidia_smi import gpu_free_bytes
 from failover.coserve_policy import CoservePolicy, Decision, PressurePolicy
 from failover.coserve_release import descendants, verify_released
 from failover.slots import Slot
@@ -98,7 +99,7 @@ class Coserver:
             slot = supervisor.slots[svc.slot_names()[0]]
             self.jobs[svc.name] = BatchJob(svc, slot, policy, watched_services(svc, services))
         self._ttft: dict[str, tuple[int, float, float]] = {}  # instance -> (pid, sum, count) last scraped
-        self._free_memory = _mem_available if self.device == "cpu" else _gpu_free  # tests may replace it
+        self._free_memory = _mem_available if self.device == "cpu" else gpu_free_bytes  # tests may replace it
 
     def is_batch(self, service: str) -> bool:
         return service in self.jobs

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import subprocess
 import time
+
+from failover.nvidia_smi import gpu_pids
 
 VERIFY_TIMEOUT = 5.0  # process tree gone and off the GPU after the engine exited
 
@@ -41,19 +41,6 @@ def _gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except OSError:
         return True
-
-
-def gpu_pids() -> set[int] | None:
-    """Pids holding a CUDA context, from nvidia-smi (None: no nvidia-smi to ask)."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        out = subprocess.run([smi, "--query-compute-apps=pid", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=5, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return {int(v) for v in out.split() if v.strip().isdigit()}
 
 
 async def verify_released(pids: list[int], device: str, timeout: float = VERIFY_TIMEOUT) -> bool:
