@@ -3,10 +3,13 @@ speak raw frames, and check that nothing (process, socket, memfd) is left behind
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import subprocess
 import sys
 import time
@@ -45,6 +48,22 @@ def stop_daemon(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: floa
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=timeout)
     return proc.returncode, err
+
+@contextlib.contextmanager
+def running_daemon(model: Path, *args: str):
+    """A module-scoped daemon for ``model`` in its own run dir: yields its socket; stops and cleans up."""
+    from conftest import Procs
+
+    run_dir = Path(tempfile.mkdtemp(prefix="fo-", dir="/tmp"))
+    procs = Procs()
+    try:
+        proc = start_daemon(procs, model, run_dir, *args)
+        yield run_dir / "daemon.sock"
+        stop_daemon(proc)
+    finally:
+        procs.stop_all()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
 
 
 def child(procs, mode: str, sock: Path, model: Path, *, tp: int = 1, ranks=(0,), dtype: str = "float32",

@@ -4,17 +4,14 @@ and clear failures."""
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
 from cache_daemon.client import attach
 from cache_daemon.fingerprint import make_config
-from cache_daemon_helpers import start_daemon, stop_daemon
-from conftest import Procs, free_port
+from cache_daemon_helpers import running_daemon
+from conftest import free_port
 from engine_helpers import PROMPT_IDS, build_runner, engine_log, hf_logits, post, start_engine
 
 PROMPTS = [[5, 17, 42, 99], [3, 250, 7, 11, 300, 64, 128], "Hello, world!", "one two three four"]
@@ -22,13 +19,8 @@ PROMPTS = [[5, 17, 42, 99], [3, 250, 7, 11, 300, 64, 128], "Hello, world!", "one
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model):
-    run_dir = Path(tempfile.mkdtemp(prefix="fo-", dir="/tmp"))
-    procs = Procs()
-    proc = start_daemon(procs, tiny_model, run_dir)
-    yield run_dir / "daemon.sock"
-    stop_daemon(proc)
-    procs.stop_all()
-    shutil.rmtree(run_dir, ignore_errors=True)
+    with running_daemon(tiny_model) as sock:
+        yield sock
 
 
 def test_cache_logits_match_transformers_and_are_not_copied(daemon, tiny_model):

@@ -7,14 +7,11 @@ Run on a GPU machine: ``python3 -m pytest tests/test_engine_cuda.py -q`` (skippe
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 
-from cache_daemon_helpers import start_daemon, stop_daemon
-from conftest import Procs, free_port
+from cache_daemon_helpers import running_daemon, start_daemon
+from conftest import free_port
 from engine_helpers import PROMPT_IDS, build_runner, engine_log, hf_logits, post, start_engine
 
 pytestmark = pytest.mark.cuda
@@ -22,13 +19,8 @@ pytestmark = pytest.mark.cuda
 
 @pytest.fixture(scope="module")
 def cuda_daemon(tiny_model):
-    run_dir = Path(tempfile.mkdtemp(prefix="fo-", dir="/tmp"))
-    procs = Procs()
-    proc = start_daemon(procs, tiny_model, run_dir, "--device", "cuda")
-    yield run_dir / "daemon.sock"
-    stop_daemon(proc)
-    procs.stop_all()
-    shutil.rmtree(run_dir, ignore_errors=True)
+    with running_daemon(tiny_model, "--device", "cuda") as sock:
+        yield sock
 
 
 def test_cuda_engine_serves_from_cache_mapped_weights(cuda_daemon, tiny_model, procs):

@@ -7,17 +7,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from cache_daemon_helpers import start_daemon, stop_daemon
-from conftest import Procs, free_port
-from engine_helpers import (PROMPT_IDS, build_llm_engine, engine_log, hf_logits, make_seq, post, run_engine,
+from cache_daemon_helpers import running_daemon
+from conftest import free_port
+from engine_helpers import (PROMPT_IDS, build_llm_engine, engine_log, hf_logits, make_seq, post, run_engine, 
                             start_engine)
 
 HELPER = str(Path(__file__).with_name("engine_helpers.py"))
@@ -25,13 +23,8 @@ HELPER = str(Path(__file__).with_name("engine_helpers.py"))
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model):
-    run_dir = Path(tempfile.mkdtemp(prefix="fo-", dir="/tmp"))
-    procs = Procs()
-    proc = start_daemon(procs, tiny_model, run_dir, "--tp", "2")
-    yield run_dir / "daemon.sock"
-    stop_daemon(proc)
-    procs.stop_all()
-    shutil.rmtree(run_dir, ignore_errors=True)
+    with running_daemon(tiny_model, "--tp", "2") as sock:
+        yield sock
 
 
 def test_tp2_logits_match_transformers_from_disk_and_cache(daemon, tiny_model, procs, tmp_path):
