@@ -7,6 +7,7 @@ only dispatches, so importing it costs nothing (torch is imported by the subcomm
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import sys
 
 # subcommand -> (module, one-line help). Modules are imported only when their command runs.
@@ -25,9 +26,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject's), or the source tree's when not installed."""
+    try:
+        return importlib.metadata.version("failover")
+    except importlib.metadata.PackageNotFoundError:
+        from failover import __version__
+        return __version__
+
+
 def usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: failover COMMAND [ARGS...]", "", "commands:"]
+    lines = ["usage: failover COMMAND [ARGS...]    (failover --version: the installed version)", "", "commands:"]
     lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
     lines += ["", "run 'failover COMMAND --help' for a command's options"]
     return "\n".join(lines)
@@ -38,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"failover {version()}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"failover: unknown command {name!r}\n\n{usage()}", file=sys.stderr)

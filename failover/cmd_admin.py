@@ -41,6 +41,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                        help="seconds to wait for its in-flight requests (default: the router's drain_timeout)")
     else:  # preempt, resume
         p.add_argument("service", help="the (batch) service")
+        if name == "preempt":
+            p.add_argument("--force", action="store_true",
+                           help="preempt an online service too: stops its primary and standbys; its clients "
+                                "get 503 until `failover resume`")
     a = p.parse_args(rest)
     a.command = name
     if a.config is None and a.url is None:
@@ -182,7 +186,10 @@ def run(a: argparse.Namespace) -> int:
         body = {"instance": a.instance} | ({"timeout": a.drain_timeout} if a.drain_timeout is not None else {})
         t = max(t, (a.drain_timeout or 0) + 10)
     else:
-        body = {"service": a.service}
+        body = {"service": a.service} | ({"force": True} if getattr(a, "force", False) else {})
+        if body.get("force"):
+            print(f"preempt --force: stopping every engine of {a.service!r}; its clients get 503 until "
+                  f"`failover resume {a.service}`", file=sys.stderr)
     start = time.monotonic()
     doc = call(url, token, "POST", f"/admin/{a.command}", body, t)
     summary = doc.get("message") or ", ".join(f"{k}={v}" for k, v in doc.items() if not isinstance(v, (dict, list)))

@@ -202,11 +202,14 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     configure_logging("error", process="demo")
     workdir = Path(tempfile.mkdtemp(prefix="fo-demo-", dir="/tmp"))
-    print(f"failover demo: one node on CPU (logs: {workdir / 'node.log'})")
+    where = "kept after the run" if a.keep else "deleted when the demo ends; --keep keeps it"
+    print(f"failover demo: one node on CPU (log: {workdir / 'node.log'}, {where})")
     try:
         return asyncio.run(run(a, workdir))
     except KeyboardInterrupt:
         return 130
     finally:
-        if not a.keep:
+        if a.keep:
+            print(f"failover demo: kept {workdir} (model, node.log)")
+        else:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -37,6 +37,9 @@ class NodeLauncher:
     async def fence(self, name: str) -> None:
         await self.supervisor.fence(name)
 
+    def is_batch(self, service: str) -> bool:
+        return self.supervisor.coserve.is_batch(service)
+
     async def preempt(self, service: str) -> None:
         await self.supervisor.preempt(service)
 

@@ -89,8 +89,11 @@ class AdminAPI:
         return web.json_response(await self.router.drain(args["instance"], timeout))
 
     async def preempt(self, request: web.Request) -> web.Response:
-        args = await _args(request, required=("service",))
-        return web.json_response(await self.router.preempt(args["service"]))
+        args = await _args(request, required=("service",), optional=("force",))
+        force = args.get("force", False)
+        if not isinstance(force, bool):
+            raise AdminError(400, "'force' must be true or false", "invalid_request")
+        return web.json_response(await self.router.preempt(args["service"], force))
 
     async def resume(self, request: web.Request) -> web.Response:
         args = await _args(request, required=("service",))

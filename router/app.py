@@ -154,8 +154,18 @@ class Router:
     async def drain(self, instance: str, timeout: float | None = None) -> dict:
         return await self.promoter.drain(self._get(instance), timeout)
 
-    async def preempt(self, service: str) -> dict:
-        return await self.promoter.preempt(self._service(service))
+    async def preempt(self, service: str, force: bool = False) -> dict:
+        """Evict a batch service; an online one only with ``force`` (its clients then get 503)."""
+        svc = self._service(service)
+        if not force and not self.launcher.is_batch(service):
+            raise AdminError(409, f"{service!r} is an online service: preempting it stops its primary "
+                             "and standbys, and its clients get 503 until `failover resume`. Preempt is "
+                             f"for batch services; to do it anyway: failover preempt {service} --force",
+                             "conflict")
+        result = await self.promoter.preempt(svc)
+        if force:
+            log.warning("online_service_preempted", service=service, hint="failover resume brings it back")
+        return result
 
     async def resume(self, service: str) -> dict:
         return await self.promoter.resume(self._service(service), self.health.watch)

@@ -99,9 +99,17 @@ class Instance:
     def mark_ok(self) -> None:
         self.last_ok = time.monotonic()
 
+    @property
+    def serving_ready(self) -> bool:
+        """Ready as an operator means it: its last probe passed *and* its role is one that serves.
+
+        ``ready`` alone is the last probe's verdict, which a stopped or preempted instance keeps.
+        """
+        return self.ready and self.role in states.WATCHED and not self.fenced
+
     def as_json(self) -> dict:
         return {"name": self.name, "service": self.service, "role": self.role, "url": self.url,
-                "pid": self.pid, "ready": self.ready, "suspect": self.suspect,
+                "pid": self.pid, "ready": self.serving_ready, "suspect": self.suspect,
                 "inflight": self.inflight, "fenced": self.fenced,
                 "probe_latency_ms": None if self.probe_latency is None else round(self.probe_latency * 1e3, 2),
                 "last_transition": self.last_transition.as_json()}

@@ -31,6 +31,10 @@ class Launcher(Protocol):
         half-alive engine can never answer a client again.
         """
 
+    def is_batch(self, service: str) -> bool:
+        """Whether ``service`` is a batch (co-served) service, the only kind an operator may preempt
+        without ``force``: preempting an online service stops its primary and standbys."""
+
     async def preempt(self, service: str) -> None:
         """Co-serving: evict the engines of ``service`` (the router already stopped routing)."""
 
@@ -48,6 +52,9 @@ class NullLauncher:
     async def fence(self, name: str) -> None:
         log.warning("no_launcher", action="fence", instance=name,
                     hint="standalone router: the instance is no longer routed to; stop it yourself")
+
+    def is_batch(self, service: str) -> bool:
+        return False  # a standalone router serves online traffic only
 
     async def preempt(self, service: str) -> None:
         log.info("no_launcher", action="preempt", service=service)

@@ -78,8 +78,9 @@ def kill(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
 class KillLauncher:
     """A launcher over the test's own engine processes: fencing is SIGKILL (+SIGCONT for a stopped one)."""
 
-    def __init__(self, engines: list[Engine]) -> None:
+    def __init__(self, engines: list[Engine], batch: frozenset[str] = frozenset()) -> None:
         self.engines = {e.name: e for e in engines}
+        self.batch = batch
         self.fenced: list[str] = []
         self.standby_requests: list[str] = []
         self.preempted: list[str] = []
@@ -93,6 +94,9 @@ class KillLauncher:
 
     async def request_standby(self, service: str) -> None:
         self.standby_requests.append(service)
+
+    def is_batch(self, service: str) -> bool:
+        return service in self.batch
 
     async def preempt(self, service: str) -> None:
         self.preempted.append(service)

@@ -37,6 +37,10 @@ def test_status_and_refusals(node):
     assert res.returncode == 1 and "unknown instance 'nope-0'" in res.stderr
     res = node.cli("preempt", "nosuch")
     assert res.returncode == 1 and "unknown service 'nosuch'" in res.stderr
+    res = node.cli("preempt", "chat")  # an online service: refused, nothing stopped
+    assert res.returncode == 1 and "'chat' is an online service" in res.stderr and "--force" in res.stderr
+    pair = node.serving_pair()
+    assert pair is not None and (pair[0]["pid"], pair[1]["pid"]) == (primary["pid"], standby["pid"])
 
 
 def test_promote_then_drain_from_the_cli(node):

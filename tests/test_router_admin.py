@@ -114,6 +114,10 @@ async def test_planned_promote_and_drain_fail_no_request(engines, config):
         status, body = await admin(router, "POST", "/admin/drain", {"instance": "eng-b", "timeout": 20})
         assert status == 200 and body["drained"] and body["role"] == "stopped"
         assert svc.primary.name == "eng-a"  # switched away before draining
+        # a stopped instance is never shown ready, whatever its last probe said
+        assert svc.instances["eng-b"].ready
+        shown = {i["name"]: i for i in router.status()["services"][0]["instances"]}
+        assert shown["eng-b"]["role"] == "stopped" and shown["eng-b"]["ready"] is False
         await load.until(len(load.outcomes) + 6)
         await load.stop()
         await c.close()
@@ -125,9 +129,26 @@ async def test_planned_promote_and_drain_fail_no_request(engines, config):
         assert status == 409 and "stopped" in body["error"]["message"]
 
 
+async def test_preempt_of_an_online_service_is_refused_unless_forced(engines, config):
+    a, b = engines
+    launcher = KillLauncher(engines)  # no batch service: "tiny" is online
+    cfg = tolerant(admin_token_file=config.admin_token_file)
+    async with running_router(cfg, launcher, primary=a, standbys=[b]) as router:
+        await ready_pair(router)
+        status, body = await admin(router, "POST", "/admin/preempt", {"service": "tiny"})
+        assert status == 409 and "online service" in body["error"]["message"]
+        assert "--force" in body["error"]["message"] and launcher.preempted == []
+        assert router.services["tiny"].routable() is not None  # still serving
+        status, body = await admin(router, "POST", "/admin/preempt", {"service": "tiny", "force": "yes"})
+        assert status == 400 and "'force'" in body["error"]["message"]
+        status, _ = await admin(router, "POST", "/admin/preempt", {"service": "tiny", "force": True})
+        assert status == 200 and launcher.preempted == ["tiny"]
+        assert {i.role for i in router.services["tiny"].instances.values()} == {states.PREEMPTED}
+
+
 async def test_preempt_then_resume(engines, config, tmp_path):
     a, b = engines
-    launcher = KillLauncher(engines)
+    launcher = KillLauncher(engines, batch=frozenset({"tiny"}))
     cfg = tolerant(admin_token_file=config.admin_token_file, queue_deadline=0.3)
     async with running_router(cfg, launcher, primary=a, standbys=[b]) as router:
         await ready_pair(router)
