@@ -25,7 +25,7 @@ from . import framing
 from .errors import (AccessDenied, CacheError, DaemonUnavailable, FingerprintMismatch, NotResident,
                      ProtocolError)
 from .fingerprint import CacheConfig
-from .manifest import Manifest, views
+from .manifest import ArenaSpec, Manifest, views
 from .protocol import (MAX_FDS, PROTOCOL_VERSION, Error, Evict, Evicted, Fetch, FetchReply, Hello, Ping,
                        Pong, Query, QueryReply, Status, StatusReply, Welcome)
 
@@ -118,6 +118,18 @@ class MappedWeights:
         self.close()
 
 
+def local_ordinal(arena: ArenaSpec, visible: tuple[str, ...] | None = None) -> int:
+    """This process's CUDA ordinal of the GPU that holds ``arena`` (found by its UUID).
+
+    ``visible`` is this process's GPUs by ordinal (default: asked of the driver).
+    """
+    if not arena.device_uuid:  # a manifest from before UUID keys: the loader's ordinal
+        return arena.device_index
+    from .gpus import ordinal_for, visible_uuids
+
+    return ordinal_for(arena.device_uuid, visible_uuids() if visible is None else visible)
+
+
 def _map(manifest: Manifest, fds: list[int]) -> list:
     mappings, at = [], 0
     try:
@@ -131,7 +143,7 @@ def _map(manifest: Manifest, fds: list[int]) -> list:
             else:
                 from .arena_cuda import CudaArena
 
-                mappings.append(CudaArena.import_fds(mine, arena.chunks, arena.device_index))
+                mappings.append(CudaArena.import_fds(mine, arena.chunks, local_ordinal(arena)))
     except BaseException:
         for m in mappings:
             m.close()

@@ -20,6 +20,7 @@ from . import framing
 from .checkpoint import iter_rank_tensors, rank_specs
 from .errors import CacheError, ProtocolError
 from .fingerprint import make_config
+from .gpus import visible_uuids
 from .layout import open_checkpoint, validate
 from .logs import configure_logging
 from .manifest import ArenaSpec, Manifest, plan
@@ -74,7 +75,8 @@ class _Arena:
 
     @property
     def spec(self) -> ArenaSpec:
-        return ArenaSpec(self.kind, self.device_index, sum(self.chunks), tuple(self.chunks))
+        uuid = "" if self.kind == "cpu" else visible_uuids()[self.device_index]
+        return ArenaSpec(self.kind, self.device_index, sum(self.chunks), tuple(self.chunks), uuid)
 
 
 def _device_index(device: str, rank: int) -> int:

@@ -29,9 +29,12 @@ class TensorEntry(msgspec.Struct, frozen=True):
 
 class ArenaSpec(msgspec.Struct, frozen=True):
     kind: str  # "cpu" (memfd) | "cuda" (VMM)
-    device_index: int  # CUDA ordinal the memory lives on; 0 for cpu
+    device_index: int  # the loader's CUDA ordinal of the GPU (its own numbering; 0 for cpu)
     size: int  # bytes, the sum of chunks
     chunks: tuple[int, ...]  # size of each physical chunk, one fd each, in order
+    # The key of device memory: the GPU's UUID ("GPU-..."), which every process resolves to its own
+    # ordinal (gpus.ordinal_for). "" for cpu.
+    device_uuid: str = ""
 
 
 class Manifest(msgspec.Struct, frozen=True):

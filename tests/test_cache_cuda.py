@@ -102,7 +102,30 @@ def test_in_process_attach_gives_cuda_views(gpu_model, run_dir, procs):
         assert y.shape == (4, 256)
         base = w.tensors["model.embed_tokens.weight"].data_ptr()
         assert all(abs(v.data_ptr() - base) < w.manifest.nbytes for v in w.tensors.values())  # one range
+        # the arena is keyed by the GPU's UUID, as nvidia-smi names it
+        from cache_daemon.gpus import visible_uuids
+
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+        (arena,) = w.manifest.arenas
+        assert arena.device_uuid == visible_uuids()[t.device.index] and f"UUID: {arena.device_uuid})" in listed
         del t, y
+    assert stop_daemon(proc)[0] == 0
+
+
+def test_an_engine_that_sees_its_gpu_by_uuid_maps_the_arena(gpu_model, run_dir, procs):
+    """CUDA_VISIBLE_DEVICES=<uuid>, as a pod given one GPU: the arena is found by UUID, not ordinal."""
+    from cache_daemon.gpus import visible_uuids
+
+    proc = start_daemon(procs, gpu_model, run_dir, "--device", "cuda")
+    uuid = visible_uuids()[-1]
+    code = ("import sys; from cache_daemon.client import attach; from cache_daemon.fingerprint import make_config;"
+            f"w = attach({str(run_dir / 'daemon.sock')!r}, make_config({str(gpu_model)!r}, dtype='bfloat16',"
+            " tp_size=1, tp_rank=0, device='cuda')); t = w.tensors['model.embed_tokens.weight'];"
+            " print(t.device, float(t.float().abs().sum()) > 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=uuid), cwd=HERE.parent)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["cuda:0", "True"]
     assert stop_daemon(proc)[0] == 0
 
 
