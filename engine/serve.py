@@ -48,7 +48,8 @@ def build_engine(cfg: EngineConfig, model_cfg: ModelConfig, keep: dict) -> LLMEn
     return engine
 
 
-async def serve(cfg: EngineConfig, model_cfg: ModelConfig, argv: list[str], admin_token: bytes | None = None) -> int:
+async def serve(cfg: EngineConfig, model_cfg: ModelConfig, argv: list[str],
+                admin_token: bytes | None = None) -> int:
     started = time.monotonic()
     loop = asyncio.get_running_loop()
     stop, outcome = asyncio.Event(), {"code": 0}

@@ -23,6 +23,7 @@ import pytest
 
 from conftest import Procs, free_port
 from engine_helpers import get, start_engine, token_file
+from router.config import FORWARD_PATHS, RouterConfig
 
 pytestmark = pytest.mark.asyncio
 
@@ -238,3 +239,12 @@ async def test_gzip_bomb_is_413_and_bad_or_unknown_encodings_are_400_without_a_t
     status, _ = await post(node, completion(), None)
     assert status == 200  # still serving
     assert "Traceback" not in node.log_text()
+
+
+async def test_config_refuses_forward_paths_that_are_not_plain_v1_paths_and_a_cap_below_one_body():
+    for paths in ((), ("/v1/../admin/kv",), ("/v1/%2e%2e",), ("/admin/kv",), ("/v1/completions/",), ("/v1",)):
+        with pytest.raises(ValueError, match="forward_paths"):
+            RouterConfig(forward_paths=paths)
+    assert RouterConfig(forward_paths=FORWARD_PATHS + ("/v1/embeddings",)).forward_paths[-1] == "/v1/embeddings"
+    with pytest.raises(ValueError, match="max_buffered_bytes"):
+        RouterConfig(max_body_bytes=4 * MiB, max_buffered_bytes=2 * MiB)
