@@ -20,6 +20,7 @@ import structlog
 
 from cache_daemon.logs import configure_logging
 from cache_daemon.settings import SOCKET_NAME, default_run_dir
+from engine.admin_auth import read_token
 from engine.config import DTYPES, TRANSFORMS, WEIGHT_SOURCES, ConfigError, EngineConfig, ModelConfig
 from engine.distributed import free_port
 # Imported here, not in main(): a zygote that imports engine.cli then pays for torch, aiohttp and the
@@ -47,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the daemon socket exists, else disk")
     p.add_argument("--socket", type=Path, default=None,
                    help=f"the cache daemon's socket (default: {default_run_dir() / SOCKET_NAME})")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="listen address (default: %(default)s; the port has an admin endpoint)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (ranks 1.. run as child processes)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -62,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to finish in-flight requests after SIGTERM")
     p.add_argument("--max-body-bytes", type=parse_bytes, default=4 << 20, help="request body size cap")
+    p.add_argument("--admin-token-file", type=Path, default=None,
+                   help="0600 file with the bearer token for POST /admin/kv (without it: 403)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--dist-init", default="", help=argparse.SUPPRESS)
@@ -87,6 +91,7 @@ def make_config(args: argparse.Namespace) -> EngineConfig:
         dtype=resolve_dtype(args.model, args.dtype), transform=args.transform, kv_memory=args.kv_memory,
         max_batch=args.max_batch, max_model_len=args.max_model_len, served_model_name=args.served_model_name,
         drain_timeout=args.drain_timeout, max_body_bytes=args.max_body_bytes,
+        admin_token_file=args.admin_token_file,
     )
 
 
@@ -94,6 +99,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = make_config(args)
+        token = read_token(cfg.admin_token_file) if cfg.admin_token_file and cfg.tp_rank == 0 else None
         model_cfg = ModelConfig.from_dir(cfg.model)
         if model_cfg.num_heads % cfg.tp or model_cfg.num_kv_heads % cfg.tp or model_cfg.intermediate_size % cfg.tp:
             raise ConfigError(f"--tp {cfg.tp} must divide num_attention_heads ({model_cfg.num_heads}), "
@@ -107,7 +113,7 @@ def main(argv: list[str]) -> int:
     if cfg.tp_rank > 0:
         return run_worker(cfg, model_cfg)
     try:  # ranks > 0 get the same options plus their rank
-        return asyncio.run(serve(cfg, model_cfg, list(argv)))
+        return asyncio.run(serve(cfg, model_cfg, list(argv), token))
     except KeyboardInterrupt:
         return 1
 

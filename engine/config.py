@@ -136,6 +136,7 @@ class EngineConfig:
     served_model_name: str = ""
     drain_timeout: float = 30.0
     max_body_bytes: int = 4 << 20
+    admin_token_file: Path | None = None  # guards POST /admin/kv; None: admin calls get 403
 
     def __post_init__(self) -> None:
         checks = [

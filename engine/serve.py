@@ -48,7 +48,8 @@ def build_engine(cfg: EngineConfig, model_cfg: ModelConfig, keep: dict) -> LLMEn
     return engine
 
 
-async def serve(cfg: EngineConfig, model_cfg: ModelConfig, argv: list[str]) -> int:
+async def serve(cfg: EngineConfig, model_cfg: ModelConfig, argv: list[str],
+                admin_token: bytes | None = None) -> int:
     started = time.monotonic()
     loop = asyncio.get_running_loop()
     stop, outcome = asyncio.Event(), {"code": 0}
@@ -62,7 +63,7 @@ async def serve(cfg: EngineConfig, model_cfg: ModelConfig, argv: list[str]) -> i
     keep: dict = {}
     engine = AsyncEngine(lambda: build_engine(cfg, model_cfg, keep), on_step=metrics.set_queue,
                          on_fatal=lambda e: loop.call_soon(fail, f"the engine failed: {e}"))
-    server = EngineServer(cfg, engine, metrics)
+    server = EngineServer(cfg, engine, metrics, admin_token)
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     try:

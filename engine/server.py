@@ -15,6 +15,7 @@ import time
 import structlog
 from aiohttp import web
 
+from engine import admin_auth
 from engine.async_engine import AsyncEngine, EngineDead
 from engine.config import EngineConfig
 from engine.metrics import EngineMetrics
@@ -42,8 +43,10 @@ async def openai_errors(request: web.Request, handler):
 
 
 class EngineServer:
-    def __init__(self, cfg: EngineConfig, engine: AsyncEngine, metrics: EngineMetrics) -> None:
+    def __init__(self, cfg: EngineConfig, engine: AsyncEngine, metrics: EngineMetrics,
+                 admin_token: bytes | None = None) -> None:
         self.cfg, self.engine, self.metrics = cfg, engine, metrics
+        self.admin_token = admin_token  # None: every admin call is refused (engine/admin_auth.py)
         self.ctx: ServingContext | None = None  # set once the engine is built
         self.state = "starting"  # starting -> ready -> draining
         self.info: dict = {}
@@ -97,7 +100,9 @@ class EngineServer:
 
     async def grow_kv(self, request: web.Request) -> web.Response:
         """``{"kv_memory": BYTES}``: grow the KV pool (per rank) to that budget, never shrink. For a
-        standby promoted into memory a dead primary or an evicted batch engine released."""
+        standby promoted into memory a dead primary or an evicted batch engine released.
+        Needs the supervisor's bearer token."""
+        admin_auth.check(request, self.admin_token)
         if self.state != "ready":
             raise ApiError(503, f"the engine is {self.state}", type="service_unavailable", code="not_ready")
         body = await _read_json(request, self.cfg.max_body_bytes)

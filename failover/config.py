@@ -160,6 +160,11 @@ class Config(_Base):
         return Path(self.router.admin_token_file) if self.router.admin_token_file else self.run_path / "admin.token"
 
     @property
+    def engine_token_path(self) -> Path:
+        """The bearer token of the engines' admin endpoints: the supervisor's alone, fresh each run."""
+        return self.run_path / "engine.token"
+
+    @property
     def daemon_socket(self) -> Path:
         return self.run_path / "daemon.sock"
 

@@ -21,6 +21,7 @@ def engine_argv(config: Config, svc: ServiceConfig, port: int) -> list[str]:
             "--max-batch", str(svc.max_batch), "--served-model-name", svc.name,
             # a batch engine is evicted, not drained: its runner re-sends whatever was cut off
             "--drain-timeout", "0" if svc.kind == "batch" else str(config.supervisor.drain_timeout),
+            "--admin-token-file", str(config.engine_token_path),
             "--log-level", config.supervisor.log_level]
 
 

@@ -7,8 +7,9 @@ mapped from the same resident weights, and registered again as a standby. The ro
 fencing, replacements and co-serving evictions through ``failover.node_router.NodeLauncher``.
 
 Ownership: the supervisor is a child subreaper; it owns (and reaps) every process of the node. It
-owns the run dir's pid file and, when it generated it, the admin token; the daemon owns its socket
-and ready file. ``stop()`` leaves none of them behind.
+owns the run dir's pid file, the engines' admin token (``engine.token``: only it and the engines it
+starts read it) and, when it generated it, the router's admin token; the daemon owns its socket and
+ready file. ``stop()`` leaves none of them behind.
 """
 
 from __future__ import annotations
@@ -106,13 +107,12 @@ class Supervisor:
         # file named in the config is the operator's: used as is, created (and kept) only if missing.
         token = self.config.token_path
         if not self.config.router.admin_token_file or not token.exists():
-            token.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            token.unlink(missing_ok=True)
-            fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32) + "\n")
+            _write_token(token)
             self._made_token = not self.config.router.admin_token_file
             log.info("admin_token_written", path=str(token))
+        # A second token, not the router's: the engines' admin endpoints (POST /admin/kv) take only
+        # this one, so neither an engine nor a holder of the operator's token file gets the other's.
+        _write_token(self.config.engine_token_path)
 
     async def _start_zygote(self) -> None:
         if self.sup.launch != "zygote":
@@ -369,6 +369,7 @@ class Supervisor:
     def _clean_run_dir(self) -> None:
         run = self.config.run_path
         (run / "supervisor.pid").unlink(missing_ok=True)
+        self.config.engine_token_path.unlink(missing_ok=True)
         if self._made_token:
             self.config.token_path.unlink(missing_ok=True)
         # A managed node owns its run dir (also one a crashed run left); an external daemon lives there.
@@ -378,3 +379,12 @@ class Supervisor:
             except OSError as e:  # not empty: someone else's files; say which
                 left = sorted(p.name for p in Path(run).iterdir()) if run.exists() else []
                 log.warning("run_dir_not_removed", run_dir=str(run), error=str(e), left=left)
+
+
+def _write_token(path: Path) -> None:
+    """A fresh random token in ``path``, created 0600 (never a file that was there before)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")

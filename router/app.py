@@ -30,7 +30,7 @@ from router.health import HealthMonitor
 from router.launcher import Launcher, NullLauncher
 from router.metrics import CONTENT_TYPE, Metrics
 from router.promotion import Promoter
-from router.proxy import Proxy
+from router.proxy import Proxy, error_body
 
 log = structlog.get_logger(__name__)
 
@@ -178,7 +178,7 @@ class Router:
 
     def build_app(self) -> web.Application:
         token = read_token(self.config.admin_token_file) if self.config.admin_token_file else None
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_json_errors])
         app.add_routes(AdminAPI(self, token).routes())
         app.add_routes([web.get("/health", self._health), web.get("/ready", self._ready),
                         web.get("/metrics", self._metrics),
@@ -189,7 +189,9 @@ class Router:
         """Bind, serve, start probing. Raises OSError if the port is taken, TokenFileError on a bad token."""
         app = self.build_app()
         # handler_cancellation: a client that disconnects cancels its handler, hence the upstream request.
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+        # auto_decompress=False: aiohttp would inflate on the event loop, uncapped until read() and
+        # still labelled gzip; router/body.py decodes in a thread, capped, and drops the label.
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False,
                                      shutdown_timeout=self.config.shutdown_timeout)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.config.host, self.config.port)
@@ -239,4 +241,17 @@ class Router:
     async def _metrics(self, request: web.Request) -> web.Response:
         for svc in self.services.values():
             self.metrics.queued.labels(svc.name).set(svc.waiting)
+        self.metrics.buffered.set(self.proxy.bodies.buffered)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own 404/405 (no such route) as an OpenAI-style error, like every other answer."""
+    try:
+        return await handler(request)
+    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+        message = f"Invalid URL ({request.method} {request.rel_url.raw_path[:200]})"
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return web.json_response(error_body(message, "invalid_request_error", exc.status),
+                                 status=exc.status, headers=headers)

@@ -53,13 +53,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-retries", type=int, default=d.max_retries)
     p.add_argument("--max-migrations", type=int, default=d.max_migrations)
     p.add_argument("--stall-timeout", type=float, default=d.stall_timeout)
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="one request body, as sent and decompressed (default: %(default)s)")
+    p.add_argument("--max-buffered-bytes", type=int, default=d.max_buffered_bytes,
+                   help="all request bodies held at once; past it: 503 (default: %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                   help="seconds for a whole request body to arrive; past it: 408 (default: %(default)s)")
+    p.add_argument("--forward-path", action="append", default=[], metavar="PATH",
+                   help=f"forward one more exact path (always: {', '.join(d.forward_paths)}); may repeat")
     p.add_argument("--log-level", default="info")
     return p
 
 
 def main(argv: list[str]) -> int:
-    p = parser()
+    p, d = parser(), RouterConfig()
     args = p.parse_args(argv)
     if not args.backend:
         p.print_usage(sys.stderr)
@@ -76,7 +83,9 @@ def main(argv: list[str]) -> int:
             probe_timeout=args.probe_timeout, failure_threshold=args.failure_threshold,
             queue_size=args.queue_size, queue_deadline=args.queue_deadline,
             max_retries=args.max_retries, max_migrations=args.max_migrations,
-            stall_timeout=args.stall_timeout, max_body_bytes=args.max_body_bytes)
+            stall_timeout=args.stall_timeout, max_body_bytes=args.max_body_bytes,
+            max_buffered_bytes=args.max_buffered_bytes, body_timeout=args.body_timeout,
+            forward_paths=tuple(dict.fromkeys(d.forward_paths + tuple(args.forward_path))))
     except ValueError as exc:
         print(f"failover router: {exc}", file=sys.stderr)
         return 2

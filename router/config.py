@@ -6,8 +6,15 @@ the environment.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
+
+# What the router forwards: the OpenAI paths our engine serves. Anything else (other paths, dot
+# segments, percent-encoded characters, a trailing slash) gets the router's own 404, so no request
+# can reach an engine endpoint such as /admin/kv through it.
+FORWARD_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+_SAFE_PATH = re.compile(r"^/v1(/[A-Za-z0-9_-]+)+$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +30,10 @@ class RouterConfig:
     queue_deadline: float = 10.0  # how long one of them waits before 503 + Retry-After
     max_retries: int = 4  # re-sends of a request that sent no byte to the client yet
     max_migrations: int = 3  # re-issues of a stream that already sent tokens
-    max_body_bytes: int = 16 * 1024 * 1024
+    max_body_bytes: int = 16 * 1024 * 1024  # one request body, as sent and once decompressed
+    max_buffered_bytes: int = 256 * 1024 * 1024  # all request bodies held at once; beyond: 503
+    body_timeout: float = 15.0  # the whole request body must arrive within this (else 408, closed)
+    forward_paths: tuple[str, ...] = FORWARD_PATHS  # exact raw paths forwarded; all else is 404
     connect_timeout: float = 1.0
     stall_timeout: float = 30.0  # no upstream chunk for this long mid-stream: the backend failed
     drain_timeout: float = 30.0  # planned switchover / drain: wait this long for in-flight requests
@@ -32,7 +42,7 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         positive = ("probe_interval", "probe_timeout", "queue_deadline", "connect_timeout",
-                    "stall_timeout", "drain_timeout", "fence_timeout", "shutdown_timeout")
+                    "stall_timeout", "body_timeout", "drain_timeout", "fence_timeout", "shutdown_timeout")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"RouterConfig.{name} must be > 0, not {getattr(self, name)!r}")
@@ -45,6 +55,13 @@ class RouterConfig:
                 raise ValueError(f"RouterConfig.{name} must be >= 0")
         if self.max_body_bytes < 1024:
             raise ValueError("RouterConfig.max_body_bytes must be at least 1024")
+        if self.max_buffered_bytes < self.max_body_bytes:
+            raise ValueError(f"RouterConfig.max_buffered_bytes ({self.max_buffered_bytes}) must be at "
+                             f"least max_body_bytes ({self.max_body_bytes})")
+        bad = [p for p in self.forward_paths if not _SAFE_PATH.match(p)]
+        if bad or not self.forward_paths:
+            raise ValueError(f"RouterConfig.forward_paths must be /v1/... paths of letters, digits, '-' "
+                             f"and '_' segments, not {bad or 'empty'}")
         if not self.probe_path.startswith("/"):
             raise ValueError(f"RouterConfig.probe_path must start with '/', not {self.probe_path!r}")
 

@@ -38,3 +38,13 @@ class AdminError(RouterError):
         super().__init__(message)
         self.status = status
         self.type = type_
+
+
+class BodyRejected(RouterError):
+    """A request body the router will not forward (too slow, too large, too many at once, badly
+    encoded); carries the HTTP status and the OpenAI error type."""
+
+    def __init__(self, status: int, message: str, type_: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type_

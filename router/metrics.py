@@ -40,6 +40,8 @@ class Metrics:
                           ["service", "instance", "role"], registry=r)
         self.queued = Gauge(PREFIX + "queued_requests", "Requests waiting for a ready primary",
                             ["service"], registry=r)
+        self.buffered = Gauge(PREFIX + "buffered_body_bytes", "Bytes of request bodies held now "
+                              "(against max_buffered_bytes)", registry=r)
 
     def set_role(self, service: str, instance: str, role: str) -> None:
         for r in states.ROLES:

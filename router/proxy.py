@@ -16,10 +16,12 @@ import msgspec
 import structlog
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
 from router.backend import Attempt, Instance, Service
+from router.body import BodyBudget, read_body
 from router.config import RouterConfig
-from router.errors import BackendFailed, NoPrimary
+from router.errors import BackendFailed, BodyRejected, NoPrimary
 from router.metrics import Metrics
 from router.promotion import Promoter
 from router.stream import MIGRATABLE_PATHS, ClientGone, StreamRelay
@@ -31,6 +33,8 @@ _decode = msgspec.json.Decoder().decode
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                         "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
                         "accept-encoding"})
+# The body is forwarded decoded (router/body.py), so its coding must not be claimed upstream.
+REQUEST_DROP = HOP_BY_HOP | {"content-encoding"}
 RESPONSE_DROP = HOP_BY_HOP | {"server", "date", "content-encoding"}
 # The engine says "not now" (starting, draining, overloaded): try the next primary.
 RETRY_STATUS = frozenset({502, 503, 504})
@@ -47,6 +51,7 @@ class Proxy:
         self.services = services
         self.promoter = promoter
         self.metrics = metrics
+        self.bodies = BodyBudget(config.max_buffered_bytes)
 
     def pick(self, model: object) -> Service | None:
         """The service named by the request's ``model``, else the first service."""
@@ -56,18 +61,41 @@ class Proxy:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         t0 = time.monotonic()
+        # The raw path, exactly: aiohttp matched /v1/{tail} without resolving dot segments or
+        # percent-escapes, and the client would resolve them on the way out (/v1/../admin/kv).
+        path = request.rel_url.raw_path
+        if path not in self.config.forward_paths:
+            log.info("path_refused", method=request.method, path=request.raw_path[:200])
+            return self._error(None, 404, f"Invalid URL ({request.method} {path[:200]}); the router "
+                               f"forwards {', '.join(self.config.forward_paths)}", "invalid_request_error")
+        # Built from the allow-listed constant, never from what the client sent.
+        target = str(URL.build(path=path, query=request.rel_url.query))
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return self._error(None, 413, f"request body over {self.config.max_body_bytes} bytes",
-                               "request_too_large")
+            async with read_body(request, self.config, self.bodies) as body:
+                return await self._handle(request, target, body, t0)
+        except BodyRejected as exc:
+            log.info("body_rejected", status=exc.status, path=path, why=str(exc))
+            resp = self._error(None, exc.status, str(exc), exc.type)
+            if exc.status == 503:
+                resp.headers["Retry-After"] = str(self.config.retry_after_s)
+            if exc.status == 408:
+                # A stalled sender: answer, then close at once. aiohttp would otherwise linger up to
+                # 10 s reading (and discarding) the rest of the body before closing.
+                resp.force_close()
+                await resp.prepare(request)
+                await resp.write_eof()
+                request.protocol.force_close()
+            return resp
+
+    async def _handle(self, request: web.Request, target: str, body: bytes | bytearray,
+                      t0: float) -> web.StreamResponse:
         payload = _parse(body)
         service = self.pick(payload.get("model") if payload else None)
         if service is None:
             return self._error(None, 503, "no service is configured", "service_unavailable")
         relay = StreamRelay(payload, request) if payload and payload.get("stream") is True else None
         try:
-            return await self._serve(request, service, body, relay, t0)
+            return await self._serve(request, target, service, body, relay, t0)
         except ClientGone:
             log.info("client_gone", service=service.name, path=request.path)
             self.metrics.requests.labels(service.name, "client_gone").inc()
@@ -79,7 +107,7 @@ class Proxy:
             self.metrics.requests.labels(service.name, "client_gone").inc()
             raise
 
-    async def _serve(self, request: web.Request, service: Service, body: bytes,
+    async def _serve(self, request: web.Request, target: str, service: Service, body: bytes | bytearray,
                      relay: StreamRelay | None, t0: float) -> web.StreamResponse:
         headers = _forward_headers(request.headers)
         retries = migrations = 0
@@ -92,7 +120,7 @@ class Proxy:
             send = relay.resume_body() if relay is not None and relay.segment > 0 else body
             inst.begin()
             try:
-                return await self._attempt(request, service, inst, send, headers, relay, t0)
+                return await self._attempt(request, target, service, inst, send, headers, relay, t0)
             except BackendFailed as exc:
                 failure = exc
                 self.promoter.passive_failure(inst, generation, exc.kind, exc.detail)
@@ -119,13 +147,14 @@ class Proxy:
                 retries += 1
                 self.metrics.retries.labels(service.name).inc()
 
-    async def _attempt(self, request: web.Request, service: Service, inst: Instance, body: bytes,
-                       headers: CIMultiDict, relay: StreamRelay | None, t0: float) -> web.StreamResponse:
+    async def _attempt(self, request: web.Request, target: str, service: Service, inst: Instance,
+                       body: bytes | bytearray, headers: CIMultiDict, relay: StreamRelay | None,
+                       t0: float) -> web.StreamResponse:
         session = inst.session(self.config.connect_timeout)
         attempt = Attempt()  # Instance.abort_inflight fires its guard when inst is fenced
         inst.attempts.add(attempt)
         try:
-            async with attempt.guard, session.request(request.method, inst.url + request.path_qs,
+            async with attempt.guard, session.request(request.method, inst.url + target,
                                               data=body or None, headers=headers) as up:
                 if up.status in RETRY_STATUS:
                     raise BackendFailed(inst.name, "unavailable", f"answered {up.status}")
@@ -212,7 +241,7 @@ class Proxy:
             self.metrics.latency.labels(service.name).observe(first_byte_at - t0)
 
 
-def _parse(body: bytes) -> dict | None:
+def _parse(body: bytes | bytearray) -> dict | None:
     """The JSON object of a request, or None (malformed bodies go to the engine unchanged)."""
     if not body or body[:1] not in (b"{", b" ", b"\n", b"\t", b"\r"):
         return None
@@ -231,6 +260,6 @@ def _is_json_object(data: bytes) -> bool:
 
 
 def _forward_headers(headers) -> CIMultiDict:
-    out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP)
+    out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in REQUEST_DROP)
     out["Accept-Encoding"] = "identity"  # we parse streams; the client link may compress later
     return out

@@ -108,6 +108,14 @@ def start_engine(procs, model: Path, port: int, *args: str, wait: bool = True) -
     return proc
 
 
+def token_file(procs, token: str = "s3cret-engine-token") -> tuple[Path, dict]:
+    """A 0600 token file (removed with ``procs``) and the Authorization header that carries it."""
+    fd, path = procs.temp_file("engine-token-", suffix="")  # mkstemp: 0600, ours
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return path, {"Authorization": f"Bearer {token}"}
+
+
 def engine_log(proc: subprocess.Popen) -> str:
     return proc.log_path.read_text()
 
@@ -136,10 +144,11 @@ def get(port: int, path: str, timeout: float = 5.0):
         return None, None
 
 
-def post(port: int, path: str, body, timeout: float = 30.0, raw: bytes | None = None):
+def post(port: int, path: str, body, timeout: float = 30.0, raw: bytes | None = None,
+         headers: dict | None = None):
     data = raw if raw is not None else json.dumps(body).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read().decode()

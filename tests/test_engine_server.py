@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import Procs, free_port
-from engine_helpers import engine_log, get, metric, post, sse_events, start_engine, wait_engine_ready
+from engine_helpers import engine_log, get, metric, post, sse_events, start_engine, token_file, wait_engine_ready
 
 openai = pytest.importorskip("openai")
 MODEL = "tiny"
@@ -190,6 +190,30 @@ def test_probes_and_metrics(server):
         assert name in text
 
 
+def test_admin_kv_is_refused_when_no_token_is_configured(server):
+    before = get(server, "/ready")[1]["kv_bytes"]
+    for headers in ({}, {"Authorization": "Bearer "}, {"Authorization": "Bearer anything"}):
+        status, text = post(server, "/admin/kv", {"kv_memory": 1 << 20}, headers=headers)
+        assert status == 403 and json.loads(text)["error"]["code"] == "admin_disabled", text
+    assert get(server, "/ready")[1]["kv_bytes"] == before  # never grown
+
+
+def test_admin_kv_needs_the_bearer_token_from_the_token_file(tiny_model, procs):
+    port = free_port()
+    path, auth = token_file(procs)
+    start_engine(procs, tiny_model, port, "--weights", "disk", "--kv-memory", "256K",
+                 "--admin-token-file", str(path))
+    body = {"kv_memory": 1 << 20}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": auth["Authorization"] + "x"},
+                    {"Authorization": "Basic " + auth["Authorization"][7:]}):
+        status, text = post(port, "/admin/kv", body, headers=headers)
+        assert status == 401 and json.loads(text)["error"]["code"] == "unauthorized", (headers, text)
+    assert get(port, "/ready")[1]["kv_slots"] == 1
+    status, text = post(port, "/admin/kv", body, headers=auth)
+    assert status == 200 and json.loads(text)["kv_slots"] == 4
+    assert get(port, "/ready")[1]["kv_slots"] == 4
+
+
 def test_sigterm_drains_in_flight_then_exits(tiny_model, procs):
     port = free_port()
     proc = start_engine(procs, tiny_model, port, "--weights", "disk", "--served-model-name", MODEL,
@@ -224,6 +248,10 @@ def test_bad_usage_and_bind_failure_exit_codes(tiny_model, procs, server):
     assert bad.wait(30) == 2 and "--tp 3 must divide" in engine_log(bad)
     taken = start_engine(procs, tiny_model, server, "--weights", "disk", wait=False)
     assert taken.wait(30) == 1 and "cannot listen" in engine_log(taken)
+    path, _ = token_file(procs)
+    path.chmod(0o644)
+    loose = start_engine(procs, tiny_model, free_port(), "--admin-token-file", str(path), wait=False)
+    assert loose.wait(30) == 2 and f"chmod 600 {path}" in engine_log(loose)
 
 
 
@@ -243,14 +271,15 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
 def test_main_runs_in_a_forked_child_of_a_process_that_imported_engine(tiny_model, procs):
     port = free_port()
+    path, auth = token_file(procs)
     proc = procs.python("-c", FORK_SCRIPT, "--model", str(tiny_model), "--port", str(port), "--weights", "disk",
-                        "--served-model-name", MODEL, "--kv-memory", "256K")
+                        "--served-model-name", MODEL, "--kv-memory", "256K", "--admin-token-file", str(path))
     assert wait_engine_ready(proc, port)["kv_slots"] == 1
     status, text = post(port, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3})
     assert status == 200, text
     # a standby's pool grows into memory that was freed (POST /admin/kv)
-    assert post(port, "/admin/kv", {"kv_memory": "1M"})[0] == 400
-    status, text = post(port, "/admin/kv", {"kv_memory": 1 << 20})
+    assert post(port, "/admin/kv", {"kv_memory": "1M"}, headers=auth)[0] == 400
+    status, text = post(port, "/admin/kv", {"kv_memory": 1 << 20}, headers=auth)
     assert status == 200 and json.loads(text)["kv_slots"] == 4
     assert get(port, "/ready")[1]["kv_slots"] == 4
     procs.stop_all()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 
 import pytest
 
-from supervisor_helpers import Load, Node, alive, wait_until
+from supervisor_helpers import Load, Node, alive, http, wait_until
 
 
 @pytest.fixture
@@ -73,6 +74,21 @@ def test_kill_standby_zygote_and_daemon_each_replaced_while_serving(node):
 def test_sigterm_is_a_clean_shutdown_too(procs, tiny_model, run_dir):
     n = Node(procs, tiny_model, run_dir)
     n.stop(signal.SIGTERM)
+
+
+def test_engines_take_admin_calls_only_with_the_supervisors_engine_token(node):
+    token_file = node.config.engine_token_path
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600 and token_file.stat().st_uid == os.getuid()
+    engine_token = token_file.read_text().strip()
+    assert engine_token and engine_token != node.token  # not the router's admin token
+    url = f"http://127.0.0.1:{node.config.service[0].ports[0]}"
+    kv_bytes = http("GET", url + "/ready")[1]["kv_bytes"]
+    grow = {"kv_memory": 2 * kv_bytes}
+    for token in (None, "wrong", node.token):
+        assert http("POST", url + "/admin/kv", grow, token=token)[0] == 401
+    code, doc = http("POST", url + "/admin/kv", grow, token=engine_token)
+    assert code == 200 and doc["kv_bytes"] >= kv_bytes, doc  # (the pool may be at max_batch already)
+    # node.stop() then asserts the run dir, engine.token included, is gone
 
 
 def test_crash_loop_marks_the_service_failed(procs, tiny_model, run_dir):
