@@ -119,7 +119,7 @@ def test_the_pod_reads_the_secret_as_the_manifest_mounts_it(shared_dir):
     assert read_as(path, uid, gid, [fs_group]) == "ok s3cret"
     # the manifest as it was (defaultMode 0400, no fsGroup): the pod could not read its token
     path = token_file(shared_dir, 0, 0, 0o400)
-    assert "cannot read admin token file" in read_as(path, uid, gid, [])
+    assert "cannot read token file" in read_as(path, uid, gid, [])
 
 
 @as_root
