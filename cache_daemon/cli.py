@@ -38,6 +38,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--force", action="store_true", help="take the socket over from a live daemon")
     p.add_argument("--client-timeout", type=float, default=10.0,
                    help="seconds a connected client may stay silent before it has attached")
+    p.add_argument("--frame-timeout", type=float, default=5.0,
+                   help="seconds a frame may take from its first byte to its last (also after attach)")
+    p.add_argument("--max-buffered-mib", type=int, default=256,
+                   help="MiB of partly received frames held for all clients together; a frame that would "
+                        "pass it closes its connection")
     p.add_argument("--allow-uid", type=int, action="append", default=[],
                    help="also serve this uid (repeatable); the daemon's own uid is always served")
     p.add_argument("--chunk-mib", type=int, default=0, help="CUDA: physical chunk size in MiB (0: one chunk)")
@@ -51,8 +56,10 @@ def build_settings(a: argparse.Namespace) -> DaemonSettings:
     ckpt = open_checkpoint(a.model)
     validate(ckpt, a.tp)
     dtype = ckpt.dtype if a.dtype == "auto" else a.dtype
+    # absolute(), not resolve(): a run dir that is a symlink is refused (owned.py), never followed
     return DaemonSettings(model=ckpt.path, dtype=dtype, tp=a.tp, device=a.device, transform=a.transform,
-                          run_dir=a.run_dir.resolve(), force=a.force, client_timeout=a.client_timeout,
+                          run_dir=a.run_dir.absolute(), force=a.force, client_timeout=a.client_timeout,
+                          frame_timeout=a.frame_timeout, max_buffered=a.max_buffered_mib << 20,
                           allow_uids=frozenset(a.allow_uid), chunk_bytes=a.chunk_mib << 20,
                           die_with_parent=a.die_with_parent, log_level=a.log_level)
 

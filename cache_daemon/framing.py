@@ -109,26 +109,80 @@ async def _wait(sock: socket.socket, writable: bool) -> None:
         remove(sock.fileno())
 
 
-async def _async_recv_exact(sock, n: int, max_fds: int, fds: list[int]) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
+async def wait_readable(sock: socket.socket) -> None:
+    """Until ``sock`` has bytes (or EOF) to read: a frame is starting."""
+    await _wait(sock, writable=False)
+
+
+class FrameBudget:
+    """Bytes of frames being received, across every connection of one daemon, capped.
+
+    A frame's whole announced length is reserved when its header arrives, before its body is
+    buffered, and released when the frame is decoded or abandoned (closed, timed out, cancelled).
+    """
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.used = 0
+
+    def reserve(self, n: int) -> None:
+        if self.used + n > self.cap:
+            raise ProtocolError(f"frame of {n} bytes refused: {self.used} bytes of other frames are being "
+                                f"received (cap {self.cap}); retry later", "busy")
+        self.used += n
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        assert self.used >= 0, "released more than reserved"
+
+
+async def _async_recv_header(sock, max_fds: int, fds: list[int]) -> bytes:
+    buf = b""
+    while len(buf) < HEADER.size:
         try:
-            chunk = _recv_some(sock, n - len(buf), max_fds if not buf else 0, fds)
+            chunk = _recv_some(sock, HEADER.size - len(buf), max_fds if not buf else 0, fds)
         except (BlockingIOError, InterruptedError):
             await _wait(sock, writable=False)
             continue
         if not chunk:
-            raise _truncated(len(buf), n)
+            raise _truncated(len(buf), HEADER.size)
         buf += chunk
-    return bytes(buf)
+    return buf
 
 
-async def async_recv_frame(sock: socket.socket, *, max_fds: int = 0, max_size: int = protocol.MAX_FRAME):
+async def _async_recv_into(sock, buf: bytearray) -> None:
+    # One buffer of the announced size, filled in place: no growth by reallocation and no copy,
+    # so what a frame holds is exactly what it reserved, and it goes back at once when dropped.
+    view, got = memoryview(buf), 0
+    try:
+        while got < len(buf):
+            try:
+                k = sock.recv_into(view[got:])
+            except (BlockingIOError, InterruptedError):
+                await _wait(sock, writable=False)
+                continue
+            if not k:
+                raise _truncated(got, len(buf))
+            got += k
+    finally:
+        view.release()
+
+
+async def async_recv_frame(sock: socket.socket, *, max_fds: int = 0, max_size: int = protocol.MAX_FRAME,
+                           budget: FrameBudget | None = None):
     fds: list[int] = []
     try:
-        (n,) = HEADER.unpack(await _async_recv_exact(sock, HEADER.size, max_fds, fds))
+        (n,) = HEADER.unpack(await _async_recv_header(sock, max_fds, fds))
         check_length(n, max_size)
-        return protocol.decode(await _async_recv_exact(sock, n, 0, fds)), fds
+        if budget is not None:
+            budget.reserve(n)
+        try:
+            body = bytearray(n)
+            await _async_recv_into(sock, body)
+            return protocol.decode(body), fds
+        finally:
+            if budget is not None:
+                budget.release(n)
     except BaseException:
         close_fds(fds)
         raise

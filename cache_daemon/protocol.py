@@ -86,6 +86,7 @@ class StatusReply(_Msg, tag="status_reply"):
     models: list[ModelStatus]
     clients: int  # connections open now
     attached: int  # of those, how many hold a mapping (fetched and still connected)
+    buffered: int = 0  # bytes reserved by frames being received now (capped by --max-buffered-mib)
 
 
 class Pong(_Msg, tag="pong"):
@@ -122,7 +123,7 @@ Message = Union[Hello, Query, Fetch, Status, Ping, Evict, Welcome, QueryReply, F
                 Pong, Evicted, Error, Register, Registered, LoadFailed]
 TAGS = {cls.__struct_config__.tag for cls in Message.__args__}
 ERROR_CODES = ("bad_frame", "too_large", "malformed", "unknown_type", "unexpected", "bad_version",
-               "timeout", "forbidden", "not_resident", "mismatch", "internal")
+               "timeout", "busy", "forbidden", "not_resident", "mismatch", "internal")
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

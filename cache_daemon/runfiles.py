@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-import stat
 from pathlib import Path
 
 import structlog
 
+from . import owned
 from .errors import CacheError
 
 log = structlog.get_logger(__name__)
@@ -24,12 +24,8 @@ class DaemonRunning(CacheError):
 
 
 def prepare_run_dir(run_dir: Path) -> None:
-    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = run_dir.stat()
-    if st.st_uid != os.getuid():
-        raise CacheError(f"run dir {run_dir} belongs to uid {st.st_uid}, not us ({os.getuid()}): use another --run-dir")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(run_dir, 0o700)
+    """A 0700 dir of ours; a symlink, a foreign owner or one others may write is refused (owned.py)."""
+    owned.private_dir(run_dir)
 
 
 def socket_is_live(path: Path) -> bool:

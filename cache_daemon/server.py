@@ -4,7 +4,9 @@ It never imports torch or touches CUDA: a loader child does the heavy work and s
 (``loader.py``). Each client connection says Hello, then asks Query/Fetch/Status/Ping/Evict; one
 dispatch answers each and refuses anything else. A connection that stays silent longer than
 ``client_timeout`` before it has fetched is closed; one that holds a mapping may stay idle forever.
-A bad frame ends only its own connection.
+A frame must arrive whole within ``frame_timeout`` of its first byte, attached or not, and the frames
+being received by all connections together may reserve at most ``max_buffered`` bytes: a frame past
+either limit closes its connection with an error. A bad frame ends only its own connection.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Daemon:
         self.s = settings
         self.registry = Registry()
         self.conns: set[_Conn] = set()
+        self.budget = framing.FrameBudget(settings.max_buffered)  # frames being received, all clients
         self.loading = True
         self.exit_code = 0
         self.failure: str | None = None  # why the load failed, for the CLI's one-line error
@@ -175,8 +178,16 @@ class Daemon:
         return True
 
     async def _read(self, conn: _Conn):
-        timeout = None if conn.attached else self.s.client_timeout
-        msg, _ = await asyncio.wait_for(framing.async_recv_frame(conn.sock), timeout)
+        # Idle time is bounded only before attach (a mapping holder may stay quiet forever); a frame
+        # that has started must finish within frame_timeout either way, so no client can park a
+        # partly sent frame (and the memory reserved for it) here.
+        await asyncio.wait_for(framing.wait_readable(conn.sock), None if conn.attached else self.s.client_timeout)
+        try:
+            msg, _ = await asyncio.wait_for(framing.async_recv_frame(conn.sock, budget=self.budget),
+                                            self.s.frame_timeout)
+        except asyncio.TimeoutError:
+            raise ProtocolError(f"frame not complete within {self.s.frame_timeout} s of its first byte",
+                                "timeout") from None
         return msg
 
     async def _reply(self, conn: _Conn, msg, fds=()) -> None:
@@ -223,4 +234,4 @@ class Daemon:
     def _status(self) -> StatusReply:
         return StatusReply(pid=os.getpid(), version=PROTOCOL_VERSION, loading=self.loading,
                            models=self.registry.status(), clients=len(self.conns),
-                           attached=sum(1 for c in self.conns if c.attached))
+                           attached=sum(1 for c in self.conns if c.attached), buffered=self.budget.used)

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .protocol import MAX_FRAME
+
 SOCKET_NAME = "daemon.sock"
 READY_NAME = "daemon.ready"
 
@@ -24,6 +26,8 @@ class DaemonSettings:
     run_dir: Path = field(default_factory=default_run_dir)
     force: bool = False
     client_timeout: float = 10.0  # seconds a client may stay silent before it has attached
+    frame_timeout: float = 5.0  # seconds from a frame's first byte to its last, attached or not
+    max_buffered: int = 256 << 20  # bytes of partly received frames, all connections together
     allow_uids: frozenset[int] = frozenset()  # peers allowed besides the daemon's own uid
     chunk_bytes: int = 0  # CUDA: split an arena into chunks of at most this many bytes (0: one)
     die_with_parent: bool = False
@@ -36,6 +40,10 @@ class DaemonSettings:
             raise ValueError(f"--device must be cpu or cuda, not {self.device!r}")
         if self.client_timeout <= 0:
             raise ValueError("--client-timeout must be positive")
+        if self.frame_timeout <= 0:
+            raise ValueError("--frame-timeout must be positive")
+        if self.max_buffered < MAX_FRAME:
+            raise ValueError(f"--max-buffered-mib must be at least {MAX_FRAME >> 20} (one frame of the largest size)")
         if len(str(self.socket_path)) > 107:
             raise ValueError(f"socket path {self.socket_path} is too long for AF_UNIX: use a shorter --run-dir")
 

@@ -19,6 +19,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from cache_daemon import owned
 from failover import nvidia_smi
 from failover.config_errors import explain, unknown_key
 
@@ -104,6 +105,7 @@ class BatchConfig(_Base):
     sample_interval: Positive = 0.25  # seconds between load samples
     evict_timeout: Positive = 0.5  # SIGTERM -> SIGKILL of the batch engine at eviction
     memory_margin: int | str = "512MiB"  # free memory kept beyond a KV budget (see docs: co-serving)
+    output_mode: int = 0o600  # of a new output; an existing one may grant group/others no more (never write)
 
     @property
     def memory_margin_bytes(self) -> int:
@@ -281,6 +283,9 @@ def _check_batch(key: str, svc: ServiceConfig, services: list[ServiceConfig]) ->
         b.memory_margin_bytes
     except ValueError as e:
         problems.append(f"{key}.memory_margin: {e}")
+    if not 0 <= b.output_mode <= 0o777 or b.output_mode & 0o600 != 0o600 or b.output_mode & 0o022:
+        problems.append(f"{key}.output_mode: {b.output_mode:#o} must let us read and write (0o600) and nobody "
+                        "else write; e.g. 0o600 (the default) or 0o640 (TOML octal: 0o640)")
     if svc.command is not None:
         problems.append(f"{key}: a batch service runs our engine (forked from the zygote); remove command")
     return problems
@@ -321,9 +326,14 @@ def preflight(config: Config) -> None:
         if svc.batch is not None:
             problems += _check_batch_files(f"service[{i}].batch", svc.batch)
     run = config.run_path
-    if run.exists() and not run.is_dir():
-        problems.append(f"run_dir: {run} exists and is not a directory")
-    elif (other := _live_supervisor(run)) is not None:
+    try:  # a symlink or another user's dir is refused here, before anything is created in it
+        owned.check_private_dir(run)
+    except (owned.UntrustedPath, OSError) as e:
+        problems.append(f"run_dir: {e}")
+        run_ok = False
+    else:
+        run_ok = True
+    if run_ok and (other := _live_supervisor(run)) is not None:
         problems.append(f"run_dir: `failover up` (pid {other}) is already running with {run}; "
                         "stop it, or use another run_dir")
     if problems:
@@ -341,12 +351,15 @@ def _check_batch_files(key: str, batch: BatchConfig) -> list[str]:
     elif src.is_dir() and not any(p.suffix == ".jsonl" for p in src.iterdir()):
         problems.append(f"{key}.input: folder {src} holds no *.jsonl file")
     out = Path(batch.output)
-    if out.exists():
-        if not out.is_file():
+    if out.exists() or out.is_symlink():
+        if not out.is_symlink() and not out.is_file():
             problems.append(f"{key}.output: {out} is not a regular file; give a file path for the results")
             return problems
-        try:  # the real test (root passes os.access on anything): open it for appending
-            os.close(os.open(out, os.O_WRONLY | os.O_APPEND))
+        try:  # ours, not a symlink, nobody else may write it (owned.py); then: can we append?
+            owned.check_private_file(out, mode=batch.output_mode, what="batch output")
+            os.close(os.open(out, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW))
+        except owned.UntrustedPath as e:
+            problems.append(f"{key}.output: {e}")
         except OSError as e:
             problems.append(f"{key}.output: cannot write {out}: {e.strerror}; fix its permissions or choose another path")
         return problems

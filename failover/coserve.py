@@ -18,7 +18,9 @@ CUDA, none of their pids is listed by ``nvidia-smi --query-compute-apps=pid`` (t
 creates a CUDA context). A finished batch stops its engine, so the memory goes back to the node.
 
 Job states: ``waiting`` (engine starting) -> ``running`` <-> ``preempted`` -> ``done``; ``failed``
-when its files cannot be used (reported before any work is done).
+when its files cannot be used (at start, or a result that cannot be written: its engine is stopped);
+``failover resume`` of a failed job opens its files again (``retry``) and, when they are usable now,
+runs it from where its output stands.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from failover import slots
-from failover.batch_io import BatchInputError, BatchOutputError, ResultLog, read_items
+from failover.batch_io import BatchInputError, BatchOutputError, CorruptOutput, ResultLog, read_items
 from failover.batch_runner import BatchRunner
 from failover.config import ServiceConfig, _mem_available, watched_services
 from failover.nvidia_smi import gpu_free_bytes
@@ -49,6 +51,10 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 WAITING, RUNNING, PREEMPTED, DONE, FAILED = "waiting", "running", "preempted", "done", "failed"
+
+
+class ResumeRefused(Exception):
+    """``failover resume`` of a failed batch whose files are still unusable; the message says why."""
 
 
 @dataclass(slots=True)
@@ -106,23 +112,62 @@ class Coserver:
 
     # -- start -----------------------------------------------------------------------------------
     def open(self) -> None:
-        """Before any engine starts: open every job's files. A job that cannot write its output
-        fails its service now, with the reason, and its engine is never started."""
+        """Before any engine starts: open every job's files. A job that cannot use them (input
+        missing, output not ours, a corrupt result line) fails its service alone, with the reason;
+        its engine is never started and the online services start as usual."""
         for job in self.jobs.values():
-            b = job.svc.batch
-            assert b is not None
-            try:
-                items = list(read_items(Path(b.input)))
-                job.results = ResultLog(Path(b.output))
-            except (BatchInputError, BatchOutputError) as e:
-                self._give_up(job, str(e))
-                continue
-            job.runner = BatchRunner(items, job.results, concurrency=b.concurrency,
-                                     on_record=lambda rec, job=job: self._recorded(job), model=job.name)
-            if job.runner.remaining == 0:
-                job.slot.hold = True  # a restart after the whole input was done: nothing to run
-                job.state = DONE
-                log.info("batch_already_done", service=job.name, total=job.runner.progress.total)
+            self._open(job)
+
+    def _open(self, job: BatchJob) -> bool:
+        b = job.svc.batch
+        assert b is not None
+        try:
+            items = list(read_items(Path(b.input)))
+            results = ResultLog(Path(b.output), mode=b.output_mode)
+        except (BatchInputError, BatchOutputError) as e:
+            self._give_up(job, self._explain(job, e))
+            return False
+        try:
+            runner = BatchRunner(items, results, concurrency=b.concurrency,
+                                 on_record=lambda rec, job=job: self._recorded(job), model=job.name)
+        except BatchOutputError as e:  # the error records of bad input lines could not be written
+            results.close()
+            self._give_up(job, self._explain(job, e))
+            return False
+        job.results, job.runner = results, runner
+        if runner.remaining == 0:
+            job.slot.hold = True  # a restart after the whole input was done: nothing to run
+            job.state = DONE
+            log.info("batch_already_done", service=job.name, total=runner.progress.total)
+        return True
+
+    def _explain(self, job: BatchJob, e: Exception) -> str:
+        """The reason a job's files failed it, with what to do about it."""
+        if isinstance(e, CorruptOutput):
+            return f"{e}: remove or fix line {e.lineno} of {e.path}, then `failover resume {job.name}`"
+        return f"{e}; fix that, then `failover resume {job.name}`"
+
+    def retry(self, service: str) -> None:
+        """``failover resume`` of a failed batch service: open its files again and, if they are
+        usable now, run it (the supervisor's resume then relaunches its engine); if not, it stays
+        failed with today's reason and ``ResumeRefused`` says it."""
+        job = self.jobs[service]
+        if job.state != FAILED:
+            return
+        if job.results is not None:
+            job.results.close()
+        job.results = job.runner = None
+        job.state = WAITING
+        why = self.sup.failed.pop(job.name, None)  # so that a second failure is logged with its reason
+        if not self._open(job):
+            raise ResumeRefused(f"{job.name} cannot resume: {job.why}")
+        if why is not None:
+            self.sup.failed[job.name] = why  # the supervisor's resume clears it with its crash-loop count
+        job.why = ""
+        log.info("batch_retried", service=job.name, done=job.runner.progress.done,
+                 total=job.runner.progress.total)
+        if job.state != DONE:
+            self.sup.background(self._run(job), f"batch-{job.name}")
 
     def close(self) -> None:
         """At shutdown, after the runners were cancelled: the result files."""
@@ -140,32 +185,35 @@ class Coserver:
         for job in self.jobs.values():
             if job.state not in (DONE, FAILED):
                 self.sup.background(self._run(job), f"batch-{job.name}")
-        if any(j.state not in (DONE, FAILED) for j in self.jobs.values()):
+        if self.jobs:  # also while every job is failed: a resume may bring one back
             self.sup.background(self._sample(), "coserve-sampler")
 
     async def _run(self, job: BatchJob) -> None:
-        assert job.runner is not None
+        assert job.runner is not None and job.results is not None
         try:
             snap = await job.runner.run(lambda: self._backend(job))
-        except (OSError, ValueError, RuntimeError) as e:  # a result that could not be written or read
-            job.state, job.why = FAILED, f"the batch runner stopped: {e!r}"
-            self.sup.fail_service(job.name, job.why)
+        except (OSError, ValueError, RuntimeError) as e:  # a result that could not be written (full disk)
+            self._give_up(job, self._explain(job, e))
+            await self._stop_engine(job, "batch failed")
             return
         job.state = DONE
         self.sup.progress(f"batch {job.name}: done, {snap['done']}/{snap['total']} "
                           f"({snap['errors']} error records) -> {job.svc.batch.output}")
         log.info("batch_done", service=job.name, preemptions=job.preemptions, **snap)
-        # The engine stops: its memory goes back to the node (a finished batch holds nothing). The
-        # router stops routing to it as for a preemption (the eviction itself is a no-op once done).
+        await self._stop_engine(job, "batch done")
+        job.results.close()
+
+    async def _stop_engine(self, job: BatchJob, reason: str) -> None:
+        """A finished or failed batch stops its engine: the memory goes back to the node. The router
+        stops routing to it as for a preemption (the eviction itself is a no-op once done or failed)."""
         job.slot.hold = True
         if job.name in self.sup.router.services:
             await self.sup.router.preempt(job.name)
         child = job.slot.child
         if child is not None and child.alive:
             if job.slot.state in (slots.RUNNING, slots.STARTING):
-                job.slot.change(slots.STOPPING, "batch done")
+                job.slot.change(slots.STOPPING, reason)
             await child.stop(self.sup.sup.stop_timeout)
-        job.results.close()
 
     async def _backend(self, job: BatchJob) -> str:
         """The batch engine's URL once it serves and is not held back (preempted or stopping)."""
@@ -292,7 +340,7 @@ class Coserver:
                 await asyncio.sleep(interval)
                 live = [j for j in self.jobs.values() if j.state not in (DONE, FAILED)]
                 if not live:
-                    return
+                    continue
                 watched = {name for j in live for name in j.watch}
                 load = {name: (self._queue_depth(name), await self._ttft_window(session, name)) for name in watched}
                 now = time.monotonic()

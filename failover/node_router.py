@@ -11,8 +11,10 @@ import time
 from typing import TYPE_CHECKING
 
 from failover.config import Config
+from failover.coserve import DONE, ResumeRefused
 from router.app import Router
 from router.config import RouterConfig
+from router.errors import AdminError
 
 if TYPE_CHECKING:
     from failover.supervisor import Supervisor
@@ -70,6 +72,25 @@ class NodeRouter(Router):
                     inst["weights_source"] = slot.ready_info.get("weights_source")
         doc["supervisor"] = self.supervisor.status()
         return doc
+
+    async def resume(self, service: str) -> dict:
+        """A failed batch service first opens its files again: still unusable, the resume is refused
+        (409, with the reason) instead of answering ok and changing nothing."""
+        coserve = self.supervisor.coserve
+        if coserve.is_batch(service):
+            try:
+                coserve.retry(service)
+            except ResumeRefused as e:
+                raise AdminError(409, str(e), "resume_refused") from None
+            if service not in self.services:  # failed before its engine ever registered
+                await self.supervisor.resume(service)
+                return {"service": service, "preempted": False, "message": "relaunching its engine"}
+            job = coserve.jobs[service]
+            if job.state == DONE:
+                return {"service": service, "preempted": False,
+                        "message": f"batch {service} is done ({job.runner.progress.done} results in "
+                                   f"{job.svc.batch.output}); nothing to resume"}
+        return await super().resume(service)
 
     async def drain(self, instance: str, timeout: float | None = None) -> dict:
         """Drain, then recycle: the drained process is stopped and comes back as a fresh standby."""

@@ -25,6 +25,7 @@ from typing import Callable
 import aiohttp
 import structlog
 
+from cache_daemon import owned
 from failover import launch, processes, slots
 from failover.cache_proc import CacheDaemon
 from failover.config import Config, ServiceConfig
@@ -98,10 +99,8 @@ class Supervisor:
 
     def _prepare_run_dir(self) -> None:
         run = self.config.run_path
-        if not run.exists():
-            run.mkdir(mode=0o700, parents=True)
-            self._made_run_dir = True
-        os.chmod(run, 0o700)
+        # mkdir, then checked on the opened fd: a symlink or another user's dir is refused, not chmodded
+        self._made_run_dir = owned.private_dir(run)
         (run / "supervisor.pid").write_text(f"{os.getpid()}\n")
         # The default token (RUN_DIR/admin.token) is ours: fresh each run, removed at exit. A token
         # file named in the config is the operator's: used as is, created (and kept) only if missing.

@@ -1,9 +1,10 @@
 import json
 import os
+import subprocess
 
 import pytest
 
-from failover.batch_io import BatchInputError, BatchOutputError, ResultLog, read_items
+from failover.batch_io import BatchInputError, BatchOutputError, CorruptOutput, ResultLog, read_items
 
 
 def write_lines(path, lines):
@@ -78,3 +79,107 @@ def test_unwritable_output_fails_before_any_work(tmp_path):
     with pytest.raises(BatchOutputError, match="cannot write batch output"):
         ResultLog(locked / "out.jsonl")
     assert os.listdir(locked / "out.jsonl") == []
+
+
+# --- outputs that another user may have planted or may read (issue 11, item 5) -------------------
+
+NOBODY = 65534
+FORGED = '{"id":"p1","response":{"status_code":200,"body":"forged"},"error":null}\n'
+
+
+def test_a_precreated_world_writable_output_with_a_forged_line_is_refused_not_trusted(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text(FORGED)
+    os.chmod(out, 0o666)
+    with pytest.raises(BatchOutputError, match=r"writable by group or others \(mode 0666\)"):
+        ResultLog(out)
+    os.chmod(out, 0o644)  # nobody else can write it, but everyone could read the results
+    with pytest.raises(BatchOutputError, match=r"readable by more users than allowed \(mode 0644, allowed 0600\)"):
+        ResultLog(out)
+    with ResultLog(out, mode=0o644) as results:  # unless the config allows it (output_mode)
+        assert results.done == {"p1"}
+    assert out.read_text() == FORGED and oct(out.stat().st_mode & 0o777) == "0o644"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another uid")
+def test_an_output_of_another_uid_a_symlink_or_a_hard_link_is_refused(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text(FORGED)
+    os.chmod(out, 0o600)
+    os.chown(out, NOBODY, NOBODY)
+    with pytest.raises(BatchOutputError, match=f"belongs to uid {NOBODY}, not to us"):
+        ResultLog(out)
+    secret = tmp_path / "secret"
+    secret.write_text("root's\n")
+    os.chmod(secret, 0o600)
+    (tmp_path / "link.jsonl").symlink_to(secret)
+    with pytest.raises(BatchOutputError, match="is a symbolic link"):
+        ResultLog(tmp_path / "link.jsonl")
+    os.link(secret, tmp_path / "hard.jsonl")
+    with pytest.raises(BatchOutputError, match="has 2 hard links"):
+        ResultLog(tmp_path / "hard.jsonl")
+    assert secret.read_text() == "root's\n"
+
+
+def test_a_new_output_is_created_0600_whatever_the_umask_or_as_configured(tmp_path):
+    old = os.umask(0)
+    try:
+        with ResultLog(tmp_path / "a" / "out.jsonl") as results:
+            results.append({"id": "x"})
+        with ResultLog(tmp_path / "b.jsonl", mode=0o640):
+            pass
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a" / "out.jsonl").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "b.jsonl").stat().st_mode & 0o777 == 0o640
+
+
+# --- a full disk and a corrupt line (issue 11, item 7) -------------------------------------------
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 64 KiB tmpfs (a real full disk), unmounted afterwards."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(mnt)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_full_disk_counts_only_whole_fsynced_lines_and_fails_with_the_file_and_free_space(small_fs):
+    out = small_fs / "out.jsonl"
+    results = ResultLog(out)
+    pad = "x" * 3000  # lines that do not divide the room: the last write is short, then ENOSPC
+    with pytest.raises(BatchOutputError) as failed:
+        for i in range(100):
+            results.append({"id": f"r{i}", "pad": pad})
+    message = str(failed.value)
+    assert f"cannot write batch output {out}: No space left on device" in message
+    assert "bytes free there" in message and f"{len(results.done)} results are in it" in message
+    data = out.read_bytes()
+    assert data.endswith(b"\n"), "the torn line was cut back off"
+    lines = [json.loads(line) for line in data.splitlines()]
+    assert {r["id"] for r in lines} == results.done and 0 < len(lines) < 100
+    with pytest.raises(BatchOutputError):  # a failed log stays failed: nothing more counts as done
+        results.append({"id": "late"})
+    results.close()
+    with ResultLog(out) as again:
+        assert again.done == {r["id"] for r in lines}
+
+
+def test_a_corrupt_middle_line_is_refused_with_its_number_and_nothing_is_changed(tmp_path):
+    out = tmp_path / "out.jsonl"
+    text = '{"id":"a"}\n{"id":"b","resp\n{"id":"c"}\n{"id":"d",'  # line 2 corrupt, then a torn tail
+    out.write_text(text)
+    os.chmod(out, 0o600)
+    with pytest.raises(CorruptOutput, match=f"line 2 of batch output {out} is not a result record") as e:
+        ResultLog(out)
+    assert e.value.lineno == 2 and out.read_text() == text
+    out.write_text('{"id":"a"}\n{"no_id":1}\n')
+    with pytest.raises(CorruptOutput, match=r"line 2 .* \(no 'id'\)"):
+        ResultLog(out)

@@ -8,6 +8,7 @@ import socket
 import struct
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -19,19 +20,23 @@ from cache_daemon.client import Connection, attach, ping, status
 from cache_daemon.errors import AccessDenied
 from cache_daemon.fingerprint import make_config
 from cache_daemon.peers import peer_allowed
-from cache_daemon.protocol import (MAX_FRAME, PROTOCOL_VERSION, Error, Hello, Ping, Pong,
+from cache_daemon.protocol import (MAX_FRAME, PROTOCOL_VERSION, Error, Fetch, FetchReply, Hello, Ping, Pong,
                                    Welcome)
 from conftest import Procs
 from cache_daemon_helpers import raw_connect, start_daemon, stop_daemon
+from supervisor_helpers import wait_until
 
 NOBODY = 65534
+FRAME_TIMEOUT = 1.0  # --frame-timeout of the module's daemon
+MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model):
     run_dir = Path(tempfile.mkdtemp(prefix="fo-", dir="/tmp"))
     procs = Procs()
-    proc = start_daemon(procs, tiny_model, run_dir, "--client-timeout", "1")
+    proc = start_daemon(procs, tiny_model, run_dir, "--client-timeout", "1", "--frame-timeout", str(FRAME_TIMEOUT),
+                        "--max-buffered-mib", "64")
     yield {"proc": proc, "sock": run_dir / "daemon.sock", "model": tiny_model}
     rc, err = stop_daemon(proc)
     procs.stop_all()
@@ -64,6 +69,56 @@ def test_truncated_frame(daemon):
         s.shutdown(socket.SHUT_WR)
         err = _error_then_closed(s)
         assert err.code == "bad_frame" and "10 of 100" in err.message
+    _still_serving(daemon)
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _attached(daemon) -> socket.socket:
+    """A raw connection that has fetched (so the daemon no longer bounds its idle time)."""
+    s = raw_connect(daemon["sock"])
+    framing.send_frame(s, Fetch(make_config(daemon["model"], dtype="float32", tp_size=1, tp_rank=0)))
+    reply, fds = framing.recv_frame(s, max_fds=8)
+    framing.close_fds(fds)
+    assert isinstance(reply, FetchReply)
+    return s
+
+
+def test_a_frame_stalled_after_attach_is_closed_at_the_deadline_and_its_memory_given_back(daemon):
+    pid = daemon["proc"].pid
+    before = _rss(pid)
+    with _attached(daemon) as s:
+        s.sendall(struct.pack(">I", 60 * MIB) + b"\x00" * (40 * MIB))  # 40 of 60 MiB, then silence
+        t0 = time.monotonic()
+        held = status(daemon["sock"])
+        assert held.buffered == 60 * MIB and held.attached >= 1
+        assert _rss(pid) - before > 30 * MIB, "the partial frame is really buffered"
+        err = _error_then_closed(s)
+        waited = time.monotonic() - t0
+    assert err.code == "timeout" and "frame not complete" in err.message
+    assert waited >= FRAME_TIMEOUT * 0.5, "closed at the frame deadline, not at once"
+    assert status(daemon["sock"]).buffered == 0
+    assert _rss(pid) - before < 16 * MIB, "the partial frame's memory went back to the system"
+    _still_serving(daemon)
+
+
+def test_frames_past_the_total_buffer_cap_close_their_connection_while_others_are_served(daemon):
+    with raw_connect(daemon["sock"]) as a, raw_connect(daemon["sock"]) as b, raw_connect(daemon["sock"]) as c:
+        a.sendall(struct.pack(">I", 30 * MIB) + b"\x00" * 100)
+        b.sendall(struct.pack(">I", 30 * MIB) + b"\x00" * 100)
+        wait_until(lambda: status(daemon["sock"]).buffered == 60 * MIB, 5, "two frames reserved")
+        c.sendall(struct.pack(">I", 30 * MIB))  # 90 MiB would pass the 64 MiB cap
+        err = _error_then_closed(c)
+        assert err.code == "busy" and "cap" in err.message
+        assert ping(daemon["sock"])  # a small frame still fits
+        a.close()
+        b.close()
+        wait_until(lambda: status(daemon["sock"]).buffered == 0, 5, "the reservations given back")
     _still_serving(daemon)
 
 
