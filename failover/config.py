@@ -65,6 +65,17 @@ class RouterConfig(_Base):
     probe_timeout: Positive = 1.0
     probe_threshold: PositiveInt = 3
     queue_timeout: Positive = 30.0  # how long a request may wait for a ready primary
+    max_body: int | str = "16MiB"  # one request body, as sent and once decompressed (else 413)
+    max_buffered: int | str = "256MiB"  # all request bodies being read at once (else 503)
+    body_timeout: Positive = 15.0  # the whole body must arrive within this (else 408)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return parse_size(self.max_body)
+
+    @property
+    def max_buffered_bytes(self) -> int:
+        return parse_size(self.max_buffered)
 
 
 class SupervisorConfig(_Base):
@@ -212,10 +223,25 @@ def parse_config(raw: dict, *, source: str = "<config>") -> Config:
         config = msgspec.convert(raw, Config)
     except msgspec.ValidationError as e:
         raise ConfigError(source, [explain(str(e), Config)]) from None
-    problems = _check_services(config)
+    problems = _check_services(config) + _check_router(config.router)
     if problems:
         raise ConfigError(source, problems)
     return msgspec.structs.replace(config, source=source)
+
+
+def _check_router(r: RouterConfig) -> list[str]:
+    problems = []
+    for key in ("max_body", "max_buffered"):
+        try:
+            getattr(r, f"{key}_bytes")
+        except ValueError as e:
+            problems.append(f"router.{key}: {e}")
+    if not problems and r.max_body_bytes < 1024:
+        problems.append(f"router.max_body: {r.max_body!r} is below the minimum of 1KiB")
+    if not problems and r.max_buffered_bytes < r.max_body_bytes:
+        problems.append(f"router.max_buffered: {r.max_buffered!r} is less than router.max_body "
+                        f"({r.max_body!r}); it must hold at least one whole body")
+    return problems
 
 
 def _check_services(config: Config) -> list[str]:

@@ -25,6 +25,8 @@ def router_config(config: Config) -> RouterConfig:
     return RouterConfig(host=r.host, port=r.port, admin_token_file=config.token_path,
                         probe_interval=r.probe_interval, probe_timeout=r.probe_timeout,
                         failure_threshold=r.probe_threshold, queue_deadline=r.queue_timeout,
+                        max_body_bytes=r.max_body_bytes, max_buffered_bytes=r.max_buffered_bytes,
+                        body_timeout=r.body_timeout,
                         drain_timeout=sup.drain_timeout, fence_timeout=sup.stop_timeout + 5.0,
                         shutdown_timeout=sup.drain_timeout)
 

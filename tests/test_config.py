@@ -113,3 +113,17 @@ def test_sizes():
     assert parse_size(4096) == 4096
     with pytest.raises(ValueError):
         parse_size("ten megs")
+
+
+def test_router_body_limits_reach_the_router_and_bad_ones_are_named(tiny_model, run_dir):
+    from failover.node_router import router_config
+
+    path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir,
+                        router={"max_body": "1MiB", "max_buffered": "8MiB", "body_timeout": 2.5})
+    rc = router_config(load_config(path))
+    assert (rc.max_body_bytes, rc.max_buffered_bytes, rc.body_timeout) == (2**20, 8 * 2**20, 2.5)
+    path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir,
+                        router={"max_body": "2MiB", "max_buffered": "1MiB"})
+    assert "router.max_buffered: '1MiB' is less than router.max_body ('2MiB')" in error_of(path)
+    path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir, router={"max_body": "lots"})
+    assert "router.max_body: 'lots' is not a size" in error_of(path)

@@ -171,7 +171,8 @@ async def test_standalone_cli_router(engine, procs, tmp_path):
             except aiohttp.ClientError:
                 pass
             await asyncio.sleep(0.05)
-        async with s.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3}) as r:
+        async with s.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3,
+                                                 "ignore_eos": True}) as r:  # random weights may end early
             assert r.status == 200 and r.headers["X-Failover-Instance"] == "eng"
             assert len((await r.json())["choices"][0]["token_ids"]) == 3
     proc.send_signal(signal.SIGTERM)
