@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from failover.tiny_model import TinySpec, hf_config, tensor_shapes  # noqa: E402
+from failover.tools.tiny_model import TinySpec, hf_config, tensor_shapes  # noqa: E402
 
 FILE_BYTES = 2 << 30  # bytes per safetensors file
 

@@ -201,7 +201,7 @@ class Soak:
 # -- the run -------------------------------------------------------------------------------------
 async def soak(opts: Options, *, workdir: Path, model: Path | None = None, run_dir: Path | None = None,
                starter=default_starter) -> dict:
-    from failover.tiny_model import TinySpec, write_checkpoint
+    from failover.tools.tiny_model import TinySpec, write_checkpoint
 
     model = model or write_checkpoint(workdir / "model", TinySpec())
     use_batch = opts.batch == "on" or (opts.batch == "auto" and batch_supported())

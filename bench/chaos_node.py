@@ -38,7 +38,7 @@ def default_starter(args: list[str], *, env: dict[str, str], **kw) -> subprocess
 
 def free_port_pair(avoid: set[int]) -> int:
     """A free port whose successor is free too (a primary and a standby), clear of ``avoid``."""
-    from failover.demo import free_port_pair as pair
+    from failover.cmd.demo import free_port_pair as pair
 
     while True:
         port = pair()

@@ -52,7 +52,7 @@ def parse_args(argv):
 
 
 def make_spec(size_gib: float, dtype: str):
-    from failover.tiny_model import TinySpec, tensor_shapes
+    from failover.tools.tiny_model import TinySpec, tensor_shapes
 
     base = dict(arch="llama", hidden=1024, heads=16, kv_heads=4, intermediate=2816, vocab=32000,
                 max_positions=1024, dtype=dtype, shards=4)
@@ -89,7 +89,7 @@ def drop_page_cache(model: Path) -> None:
 
 
 def free_port() -> int:
-    from failover.ports import free_port as pick
+    from failover_common.ports import free_port as pick
 
     return pick()
 
@@ -104,7 +104,7 @@ def get_ready(port: int):
 
 def engine_cmd(model: Path, args, source: str, socket: Path | None, port: int) -> list[str]:
     cmd = ["--model", str(model), "--port", str(port), "--weights", source, "--device", args.device,
-           "--kv-memory", "64M" if args.device == "cpu" else "4G", "--max-batch", "4"]
+           "--kv-memory", "64MiB" if args.device == "cpu" else "4GiB", "--max-batch", "4"]
     return cmd + (["--socket", str(socket)] if socket else [])
 
 
@@ -331,7 +331,7 @@ def machine(args) -> str:
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    from failover.tiny_model import write_checkpoint
+    from failover.tools.tiny_model import write_checkpoint
 
     work = args.dir or Path(tempfile.mkdtemp(prefix="fo-bench-engine-"))
     spec = make_spec(args.size_gib, args.dtype)

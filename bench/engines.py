@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from failover import ports  # noqa: E402
+from failover_common import ports  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

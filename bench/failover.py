@@ -259,8 +259,8 @@ def report(name: str, r: dict) -> None:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    from cache_daemon.logs import configure_logging
-    from failover.tiny_model import TinySpec, write_checkpoint
+    from failover_common.logs import configure_logging
+    from failover.tools.tiny_model import TinySpec, write_checkpoint
 
     configure_logging("warning", process="bench-failover")
     print(f"# bench/failover.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  {machine()}")

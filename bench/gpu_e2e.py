@@ -34,10 +34,10 @@ sys.path.insert(0, str(REPO / "bench"))
 from attach import write_model  # noqa: E402
 from loadgen import Load  # noqa: E402
 
-from cache_daemon.logs import configure_logging  # noqa: E402
-from failover.config import parse_config  # noqa: E402
-from failover.demo import free_port_pair  # noqa: E402
-from failover.tiny_model import TinySpec, write_tokenizer  # noqa: E402
+from failover_common.logs import configure_logging  # noqa: E402
+from failover.config.schema import parse_config  # noqa: E402
+from failover.cmd.demo import free_port_pair  # noqa: E402
+from failover.tools.tiny_model import TinySpec, write_tokenizer  # noqa: E402
 
 WRITER = r"""
 import sys, torch
@@ -114,7 +114,7 @@ def log_events(path: Path, event: str) -> list[dict]:
 
 
 async def measure(a, work: Path, model: Path, nbytes: int, report: dict) -> None:
-    from failover.supervisor import Supervisor
+    from failover.node.supervisor import Supervisor
 
     batch_in = None
     if a.batch_items:
@@ -273,7 +273,7 @@ def main() -> int:
         elif CUDA:
             nbytes = make_checkpoint(model, a.layers)
         else:
-            from failover.tiny_model import write_checkpoint
+            from failover.tools.tiny_model import write_checkpoint
 
             write_checkpoint(model, TinySpec())
             nbytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))

@@ -41,9 +41,9 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cache_daemon.logs import configure_logging  # noqa: E402
-from failover.config import parse_config  # noqa: E402
-from failover.demo import free_port_pair  # noqa: E402
+from failover_common.logs import configure_logging  # noqa: E402
+from failover.config.schema import parse_config  # noqa: E402
+from failover.cmd.demo import free_port_pair  # noqa: E402
 
 
 def machine() -> str:
@@ -149,7 +149,7 @@ async def wait_for(predicate, timeout: float, what: str) -> None:
 
 
 async def run(a: argparse.Namespace, workdir: Path, model: Path) -> int:
-    from failover.supervisor import Supervisor
+    from failover.node.supervisor import Supervisor
 
     ids = write_input(workdir / "in.jsonl", a)
     config = config_for(a, workdir, model)
@@ -284,7 +284,7 @@ def main() -> int:
           f"rounds={a.rounds} phase={a.phase}s")
     workdir = Path(tempfile.mkdtemp(prefix="fo-bench-", dir="/tmp"))
     try:
-        from failover.tiny_model import TinySpec, write_checkpoint
+        from failover.tools.tiny_model import TinySpec, write_checkpoint
 
         model = Path(a.model) if a.model else write_checkpoint(workdir / "model", TinySpec())
         return asyncio.run(run(a, workdir, model))

@@ -27,9 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cache_daemon.logs import configure_logging  # noqa: E402
-from failover.config import parse_config  # noqa: E402
-from failover.demo import free_port_pair  # noqa: E402
+from failover_common.logs import configure_logging  # noqa: E402
+from failover.config.schema import parse_config  # noqa: E402
+from failover.cmd.demo import free_port_pair  # noqa: E402
 
 
 def machine() -> str:
@@ -57,7 +57,7 @@ def config_for(a: argparse.Namespace, workdir: Path, model: Path, launch: str):
 
 
 async def bench_path(a: argparse.Namespace, workdir: Path, model: Path, launch: str) -> list[dict]:
-    from failover.supervisor import Supervisor
+    from failover.node.supervisor import Supervisor
 
     config = config_for(a, workdir, model, launch)
     log = open(workdir / f"node-{launch}.log", "wb")
@@ -94,7 +94,7 @@ async def bench_path(a: argparse.Namespace, workdir: Path, model: Path, launch: 
 
 
 async def main_async(a: argparse.Namespace, workdir: Path) -> int:
-    from failover.tiny_model import TinySpec, write_checkpoint
+    from failover.tools.tiny_model import TinySpec, write_checkpoint
 
     model = Path(a.model) if a.model else write_checkpoint(workdir / "model", TinySpec())
     results = {launch: await bench_path(a, workdir, model, launch) for launch in a.paths.split(",")}

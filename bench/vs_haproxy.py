@@ -177,8 +177,8 @@ def print_report(ours: dict, theirs: dict) -> None:
 
 
 async def main_async(args) -> int:
-    from cache_daemon.logs import configure_logging
-    from failover.tiny_model import TinySpec, write_checkpoint
+    from failover_common.logs import configure_logging
+    from failover.tools.tiny_model import TinySpec, write_checkpoint
 
     configure_logging("warning", process="vs-haproxy")
 

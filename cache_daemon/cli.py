@@ -16,14 +16,14 @@ from pathlib import Path
 import structlog
 
 from .errors import CacheError, CheckpointError
-from .layout import open_checkpoint, validate
-from .logs import configure_logging
-from .procutil import die_with_parent
+from .layout import COMPUTE_DTYPES, open_checkpoint, resolve_dtype, validate
+from failover_common.logs import configure_logging
+from failover_common.proc import die_with_parent
 from .settings import DaemonSettings, default_run_dir
 from .transforms import TRANSFORM_VERSIONS
 
 log = structlog.get_logger(__name__)
-DTYPES = ["auto", "float32", "bfloat16", "float16"]
+DTYPES = ["auto", *COMPUTE_DTYPES]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -55,7 +55,7 @@ def build_settings(a: argparse.Namespace) -> DaemonSettings:
     """Validate the checkpoint for this tp size and resolve ``--dtype auto``."""
     ckpt = open_checkpoint(a.model)
     validate(ckpt, a.tp)
-    dtype = ckpt.dtype if a.dtype == "auto" else a.dtype
+    dtype = resolve_dtype(a.dtype, ckpt.config)
     # absolute(), not resolve(): a run dir that is a symlink is refused (owned.py), never followed
     return DaemonSettings(model=ckpt.path, dtype=dtype, tp=a.tp, device=a.device, transform=a.transform,
                           run_dir=a.run_dir.absolute(), force=a.force, client_timeout=a.client_timeout,

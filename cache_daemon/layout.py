@@ -22,6 +22,7 @@ ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bflo
              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
              "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 FLOATS = {"float64", "float32", "float16", "bfloat16"}
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # what an engine computes in (--dtype)
 MAX_HEADER = 100 << 20
 COLUMN, ROW, REPLICATED = "column", "row", "replicated"
 _RULES = [
@@ -174,16 +175,31 @@ def _optional_shape(name: str, config: dict) -> tuple[int, ...] | None:
     return None
 
 
+def undivided_by_tp(config: dict, tp_size: int) -> list[tuple[str, int]]:
+    """The (field, value) pairs of config.json that ``tp_size`` does not divide: the one rule the
+    daemon, the engine and the node config's preflight check (each words its own error)."""
+    heads = config.get("num_attention_heads", 1)
+    fields = (("num_attention_heads", heads),
+              ("num_key_value_heads", config.get("num_key_value_heads") or heads),
+              ("intermediate_size", config.get("intermediate_size", 0)))
+    return [(field, value) for field, value in fields if isinstance(value, int) and value % tp_size]
+
+
 def check_tp(config: dict, tp_size: int) -> None:
     if tp_size < 1:
         raise TPSizeError(f"--tp must be at least 1, not {tp_size}")
-    heads = config.get("num_attention_heads", 1)
-    for field, value in (("num_attention_heads", heads),
-                         ("num_key_value_heads", config.get("num_key_value_heads") or heads),
-                         ("intermediate_size", config.get("intermediate_size", 0))):
-        if value % tp_size:
-            raise TPSizeError(f"tp size {tp_size} does not divide {field} ({value}) of config.json: "
-                              "choose a --tp that divides it")
+    for field, value in undivided_by_tp(config, tp_size)[:1]:
+        raise TPSizeError(f"tp size {tp_size} does not divide {field} ({value}) of config.json: "
+                          "choose a --tp that divides it")
+
+
+def resolve_dtype(dtype: str, config: dict) -> str:
+    """``auto`` -> config.json's ``torch_dtype`` when it is a compute dtype, else float32; any other
+    value as given. The daemon and the engine both resolve here, so their fingerprints agree."""
+    if dtype != "auto":
+        return dtype
+    found = config.get("torch_dtype") or "float32"
+    return found if found in COMPUTE_DTYPES else "float32"
 
 
 def validate(ckpt: Checkpoint, tp_size: int) -> None:

@@ -22,9 +22,9 @@ from .errors import CacheError, ProtocolError
 from .fingerprint import make_config
 from .gpus import visible_uuids
 from .layout import open_checkpoint, validate
-from .logs import configure_logging
+from failover_common.logs import configure_logging
 from .manifest import ArenaSpec, Manifest, plan
-from .procutil import die_with_parent
+from failover_common.proc import die_with_parent
 from .protocol import LoadFailed, Register, Registered
 
 log = structlog.get_logger(__name__)

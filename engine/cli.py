@@ -11,33 +11,33 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import signal
 import sys
 from pathlib import Path
 
 import structlog
 
-from cache_daemon.logs import configure_logging
+from cache_daemon.layout import resolve_dtype as resolve_checkpoint_dtype, undivided_by_tp
 from cache_daemon.settings import SOCKET_NAME, default_run_dir
 from engine.admin_auth import read_token
 from engine.config import DTYPES, TRANSFORMS, WEIGHT_SOURCES, ConfigError, EngineConfig, ModelConfig
-from engine.distributed import free_port
 # Imported here, not in main(): a zygote that imports engine.cli then pays for torch, aiohttp and the
 # model code once, before it forks. Importing them starts no thread, event loop or CUDA context.
 from engine.serve import serve
 from engine.worker import run_worker
+from failover_common.logs import configure_logging
+from failover_common.ports import free_port  # the tp rendezvous port: below the ephemeral range
+from failover_common.sizes import parse_size
 
 log = structlog.get_logger(__name__)
-SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
 def parse_bytes(text: str) -> int:
-    """``1073741824``, ``512M``, ``1G``, ``1.5GiB`` -> bytes (binary multiples)."""
-    m = SIZE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 268435456, 256M, 2G)")
-    return int(float(m[1]) * 1024 ** " kmgt".index(m[2].lower() or " "))
+    """``1073741824``, ``256MiB``, ``1.5GB`` -> bytes (failover_common.sizes: KiB binary, KB decimal)."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype; auto: the checkpoint's torch_dtype (must match the daemon's)")
     p.add_argument("--transform", choices=TRANSFORMS, default="none", help="weight transform (fp8-block)")
     p.add_argument("--kv-memory", type=parse_bytes, default=256 << 20,
-                   help="KV cache budget per rank in bytes (suffixes K, M, G)")
+                   help="KV cache budget per rank: bytes, or with a unit (256MiB, 1GiB; KB/MB/GB are decimal)")
     p.add_argument("--max-batch", type=int, default=16, help="most sequences decoded together")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + completion tokens")
     p.add_argument("--served-model-name", default="", help="the model id clients send (default: dir name)")
@@ -72,15 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_dtype(model: Path, dtype: str) -> str:
-    if dtype != "auto":
-        return dtype
+def _hf_config(model: Path) -> dict:
     try:
-        raw = json.loads((model / "config.json").read_text())
+        return json.loads((model / "config.json").read_text())
     except (OSError, ValueError):
-        return "float32"
-    found = raw.get("torch_dtype") or "float32"  # the daemon resolves auto the same way
-    return found if found in DTYPES else "float32"
+        return {}
+
+
+def resolve_dtype(model: Path, dtype: str) -> str:
+    return resolve_checkpoint_dtype(dtype, _hf_config(model))  # the daemon resolves auto there too
 
 
 def make_config(args: argparse.Namespace) -> EngineConfig:
@@ -101,10 +101,8 @@ def main(argv: list[str]) -> int:
         cfg = make_config(args)
         token = read_token(cfg.admin_token_file) if cfg.admin_token_file and cfg.tp_rank == 0 else None
         model_cfg = ModelConfig.from_dir(cfg.model)
-        if model_cfg.num_heads % cfg.tp or model_cfg.num_kv_heads % cfg.tp or model_cfg.intermediate_size % cfg.tp:
-            raise ConfigError(f"--tp {cfg.tp} must divide num_attention_heads ({model_cfg.num_heads}), "
-                              f"num_key_value_heads ({model_cfg.num_kv_heads}) and intermediate_size "
-                              f"({model_cfg.intermediate_size})")
+        if undivided := undivided_by_tp(_hf_config(cfg.model), cfg.tp):
+            raise ConfigError(f"--tp {cfg.tp} must divide " + " and ".join(f"{k} ({v})" for k, v in undivided))
     except ConfigError as e:
         print(f"failover engine: {e}", file=sys.stderr)
         return 2

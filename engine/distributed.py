@@ -7,9 +7,8 @@ SIGTERM-then-SIGKILL when rank 0 stops. Collectives: gloo on CPU, NCCL on CUDA.
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import signal
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -17,19 +16,9 @@ from datetime import timedelta
 import structlog
 
 from engine.config import EngineConfig
+from failover_common.proc import die_with_parent
 
 log = structlog.get_logger(__name__)
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn_workers(argv: list[str], cfg: EngineConfig) -> list[subprocess.Popen]:
@@ -37,7 +26,7 @@ def spawn_workers(argv: list[str], cfg: EngineConfig) -> list[subprocess.Popen]:
     workers = []
     for rank in range(1, cfg.tp):
         args = [sys.executable, "-m", "engine.cli", *argv, "--tp-rank", str(rank), "--dist-init", cfg.dist_init]
-        workers.append(subprocess.Popen(args, preexec_fn=_die_with_parent))
+        workers.append(subprocess.Popen(args, preexec_fn=functools.partial(die_with_parent, signal.SIGKILL)))
         log.info("tp_worker_started", rank=rank, pid=workers[-1].pid)
     return workers
 

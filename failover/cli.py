@@ -12,17 +12,17 @@ import sys
 
 # subcommand -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "tiny-model": ("failover.tiny_model", "write a small random-weight Llama-family checkpoint"),
+    "tiny-model": ("failover.tools.tiny_model", "write a small random-weight Llama-family checkpoint"),
     "daemon": ("cache_daemon.cli", "run the per-node weight cache daemon"),
     "engine": ("engine.cli", "run the reference OpenAI-compatible engine"),
     "router": ("router.cli", "run the active-standby router alone in front of engines"),
-    "up": ("failover.cmd_up", "bring up daemon, engines and router from a config file"),
-    "status": ("failover.cmd_admin", "show services and instances"),
-    "promote": ("failover.cmd_admin", "promote a standby to primary"),
-    "drain": ("failover.cmd_admin", "stop routing to an instance and wait for its requests"),
-    "preempt": ("failover.cmd_admin", "evict a batch service"),
-    "resume": ("failover.cmd_admin", "let a preempted batch service come back"),
-    "demo": ("failover.demo", "tiny model on CPU: bring the stack up, kill the primary, print the timeline"),
+    "up": ("failover.cmd.up", "bring up daemon, engines and router from a config file"),
+    "status": ("failover.cmd.admin", "show services and instances"),
+    "promote": ("failover.cmd.admin", "promote a standby to primary"),
+    "drain": ("failover.cmd.admin", "stop routing to an instance and wait for its requests"),
+    "preempt": ("failover.cmd.admin", "evict a batch service"),
+    "resume": ("failover.cmd.admin", "let a preempted batch service come back"),
+    "demo": ("failover.cmd.demo", "tiny model on CPU: bring the stack up, kill the primary, print the timeline"),
 }
 
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     # Admin commands share one module; they get their own name as the first argument.
-    if COMMANDS[name][0] == "failover.cmd_admin":
+    if COMMANDS[name][0] == "failover.cmd.admin":
         rest = [name, *rest]
     return int(module.main(rest) or 0)
 

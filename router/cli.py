@@ -17,7 +17,7 @@ from pathlib import Path
 
 import structlog
 
-from cache_daemon.logs import configure_logging
+from failover_common.logs import configure_logging
 from router.admin import TokenFileError
 from router.app import Router
 from router.config import RouterConfig

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from failover import ports
-from failover.tiny_model import TinySpec, write_checkpoint
+from failover_common import ports
+from failover.tools.tiny_model import TinySpec, write_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -204,7 +204,7 @@ def tp_logits_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from cache_daemon.logs import configure_logging
+    from failover_common.logs import configure_logging
 
     configure_logging("warning")
     if sys.argv[1] == "tp-logits":

@@ -23,7 +23,7 @@ def child_main(argv: list[str]) -> int:
 
 def free_port_pair() -> int:
     """A free port whose successor is free too: a primary and its standby listen on both."""
-    from failover.demo import free_port_pair as pair
+    from failover.cmd.demo import free_port_pair as pair
 
     return pair()
 
@@ -72,8 +72,8 @@ def write_config(path, *, model, run_dir, router: dict | None = None, service_ex
 async def _zygote_scenario() -> dict:
     import asyncio
 
-    from failover.launch import Zygote
-    from failover.processes import become_subreaper
+    from failover.procs.launch import Zygote
+    from failover_common.proc import become_subreaper
 
     become_subreaper()
     out: dict = {"supervisor_pid": os.getpid()}
@@ -113,7 +113,7 @@ async def _zygote_scenario() -> dict:
 if __name__ == "__main__":
     import asyncio
 
-    from cache_daemon.logs import configure_logging
+    from failover_common.logs import configure_logging
 
     configure_logging("warning")
     if sys.argv[1:] == ["zygote-scenario"]:
@@ -181,7 +181,7 @@ class Node:
         self.proc = procs.python("-m", "failover", "up", str(self.config_path), stdout=self._log,
                                  stderr=subprocess.STDOUT)
         self._log.close()  # the child holds its own copy; none of ours can outlive a failed test
-        from failover.config import load_config
+        from failover.config.schema import load_config
 
         self.config = load_config(self.config_path)
         self.url = self.config.router_url

@@ -4,7 +4,7 @@ import subprocess
 
 import pytest
 
-from failover.batch_io import BatchInputError, BatchOutputError, CorruptOutput, ResultLog, read_items
+from failover.coserve.batch_io import BatchInputError, BatchOutputError, CorruptOutput, ResultLog, read_items
 
 
 def write_lines(path, lines):

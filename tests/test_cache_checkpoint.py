@@ -15,7 +15,7 @@ from cache_daemon.errors import (DtypeMismatchError, MissingShardError, MissingT
 from cache_daemon.fingerprint import make_config
 from cache_daemon.layout import open_checkpoint
 from cache_daemon.manifest import ALIGN, plan
-from failover.tiny_model import TinySpec, write_checkpoint
+from failover.tools.tiny_model import TinySpec, write_checkpoint
 
 
 def test_load_shards_tp1_equals_the_files(tiny_model):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from failover.tiny_model import TinySpec, write_checkpoint
+from failover.tools.tiny_model import TinySpec, write_checkpoint
 from cache_daemon_helpers import child, start_daemon, stop_daemon
 
 pytestmark = pytest.mark.cuda

@@ -138,7 +138,7 @@ def test_fingerprint_mismatch_lists_the_changed_field(daemon):
 
 
 def test_other_model_is_not_resident(daemon, tmp_path):
-    from failover.tiny_model import TinySpec, write_checkpoint
+    from failover.tools.tiny_model import TinySpec, write_checkpoint
 
     other = write_checkpoint(tmp_path / "other", TinySpec(layers=1))
     with pytest.raises(NotResident):

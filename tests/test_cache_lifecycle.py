@@ -14,7 +14,7 @@ from cache_daemon.client import attach, evict, ping, status
 from cache_daemon.errors import NotResident
 from cache_daemon.fingerprint import make_config
 from failover.cli import main as failover_main
-from failover.tiny_model import TinySpec, write_checkpoint
+from failover.tools.tiny_model import TinySpec, write_checkpoint
 from cache_daemon_helpers import arena_fds, arena_mappings, gone, start_daemon, stop_daemon
 from test_cache_daemon import digests, disk_digests
 

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from failover.config import ConfigError, load_config, parse_size, preflight
+from failover.config.preflight import preflight
+from failover.config.schema import ConfigError, load_config
+from failover_common.sizes import parse_size
 from supervisor_helpers import write_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,7 +118,7 @@ def test_sizes():
 
 
 def test_router_body_limits_reach_the_router_and_bad_ones_are_named(tiny_model, run_dir):
-    from failover.node_router import router_config
+    from failover.node.bridge import router_config
 
     path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir,
                         router={"max_body": "1MiB", "max_buffered": "8MiB", "body_timeout": 2.5})

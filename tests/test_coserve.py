@@ -178,7 +178,7 @@ def test_unwritable_output_or_missing_input_stops_before_any_work(tiny_model, ru
 
 
 def test_status_line_of_a_batch_service():
-    from failover.cmd_admin import render_table
+    from failover.cmd.admin import render_table
 
     doc = {"services": [{"name": "offline", "instances": [], "batch": {
         "state": "preempted", "preempted_by": "load", "done": 37, "total": 100, "errors": 2,
@@ -188,7 +188,8 @@ def test_status_line_of_a_batch_service():
 
 
 def test_shipped_coserve_examples_parse_and_the_cpu_one_passes_its_batch_checks(monkeypatch):
-    from failover.config import _check_batch_files, load_config
+    from failover.config.preflight import _check_batch_files
+    from failover.config.schema import load_config
 
     monkeypatch.chdir(REPO)  # the CPU example names its input relative to the repository root
     cpu = load_config(REPO / "deploy" / "examples" / "coserve-cpu.toml")
@@ -200,7 +201,7 @@ def test_shipped_coserve_examples_parse_and_the_cpu_one_passes_its_batch_checks(
 def test_batch_keys_are_checked_with_their_key_path(tiny_model):
     import pytest
 
-    from failover.config import ConfigError, parse_config
+    from failover.config.schema import ConfigError, parse_config
 
     def problems(online_kw: dict, batch_kw: dict) -> str:
         raw = {"run_dir": "/tmp/x", "model": {"path": str(tiny_model), "device": "cpu"}, "service": [
@@ -222,7 +223,7 @@ def test_batch_keys_are_checked_with_their_key_path(tiny_model):
 
 def test_ttft_is_read_from_the_engines_own_metrics_page():
     from engine.metrics import EngineMetrics
-    from failover.coserve import ttft_totals
+    from failover.coserve.coserver import ttft_totals
 
     m = EngineMetrics("chat")
     assert ttft_totals(m.render().decode()) == (0.0, 0.0)

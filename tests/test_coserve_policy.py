@@ -1,6 +1,6 @@
 import pytest
 
-from failover.coserve_policy import CoservePolicy, Decision, PressurePolicy
+from failover.coserve.policy import CoservePolicy, Decision, PressurePolicy
 
 P = PressurePolicy(queue_high=8, queue_low=2, ttft_high_s=1.0, ttft_low_s=0.25, hold_s=5.0)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from failover.config import load_config
+from failover.config.schema import load_config
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 

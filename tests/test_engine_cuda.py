@@ -53,7 +53,7 @@ def test_cuda_logits_from_mapped_weights_match_transformers(cuda_daemon, tiny_mo
 
 def test_cuda_fp8_block_from_the_daemon(tmp_path, run_dir, procs):
     # linear layers spanning several 128x128 blocks, served with the fp8-block transform
-    from failover.tiny_model import TinySpec, write_checkpoint
+    from failover.tools.tiny_model import TinySpec, write_checkpoint
 
     model = write_checkpoint(tmp_path / "model", TinySpec(hidden=256, intermediate=512, heads=4))
     start_daemon(procs, model, run_dir, "--device", "cuda", "--transform", "fp8-block")

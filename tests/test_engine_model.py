@@ -14,7 +14,7 @@ import torch
 from cache_daemon.checkpoint import load_shards
 from engine.kv_cache import KVBudgetError
 from engine.layers import dequant_fp8_block
-from failover.tiny_model import TinySpec, write_checkpoint
+from failover.tools.tiny_model import TinySpec, write_checkpoint
 from engine_helpers import PROMPT_IDS, build_runner, hf_logits
 
 ATOL = 1e-4

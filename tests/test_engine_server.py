@@ -23,7 +23,7 @@ MAX_LEN = 128
 def server(tiny_model):
     procs, port = Procs(), free_port()
     start_engine(procs, tiny_model, port, "--weights", "disk", "--served-model-name", MODEL,
-                 "--max-model-len", str(MAX_LEN), "--max-body-bytes", "64K")
+                 "--max-model-len", str(MAX_LEN), "--max-body-bytes", "64KiB")
     yield port
     procs.stop_all()
 
@@ -201,7 +201,7 @@ def test_admin_kv_is_refused_when_no_token_is_configured(server):
 def test_admin_kv_needs_the_bearer_token_from_the_token_file(tiny_model, procs):
     port = free_port()
     path, auth = token_file(procs)
-    start_engine(procs, tiny_model, port, "--weights", "disk", "--kv-memory", "256K",
+    start_engine(procs, tiny_model, port, "--weights", "disk", "--kv-memory", "256KiB",
                  "--admin-token-file", str(path))
     body = {"kv_memory": 1 << 20}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": auth["Authorization"] + "x"},
@@ -273,7 +273,7 @@ def test_main_runs_in_a_forked_child_of_a_process_that_imported_engine(tiny_mode
     port = free_port()
     path, auth = token_file(procs)
     proc = procs.python("-c", FORK_SCRIPT, "--model", str(tiny_model), "--port", str(port), "--weights", "disk",
-                        "--served-model-name", MODEL, "--kv-memory", "256K", "--admin-token-file", str(path))
+                        "--served-model-name", MODEL, "--kv-memory", "256KiB", "--admin-token-file", str(path))
     assert wait_engine_ready(proc, port)["kv_slots"] == 1
     status, text = post(port, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3})
     assert status == 200, text

@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 
 from conftest import REPO
-from failover.ports import free_ports
+from failover_common.ports import free_ports
 
 # The engine extra's modules. A router-only install has none of them; here they are made
 # unimportable (sys.modules[name] = None makes `import name` raise ImportError).

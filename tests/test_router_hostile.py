@@ -73,7 +73,7 @@ def node(tiny_model):
         token, auth = token_file(procs)
         eport, port = free_port(), free_port()
         start_engine(procs, tiny_model, eport, "--weights", "disk", "--served-model-name", "tiny",
-                     "--kv-memory", "256K", "--admin-token-file", str(token))
+                     "--kv-memory", "256KiB", "--admin-token-file", str(token))
         fd, log = procs.temp_file("router-")
         try:
             proc = procs.python("-m", "failover", "router", "--backend", f"eng=http://127.0.0.1:{eport}",

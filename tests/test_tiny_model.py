@@ -4,7 +4,7 @@ import pytest
 from safetensors import safe_open
 
 from failover.cli import main as cli_main
-from failover.tiny_model import TinySpec, tensor_shapes
+from failover.tools.tiny_model import TinySpec, tensor_shapes
 
 
 def test_tiny_model_writes_index_and_every_tensor(tmp_path, capsys):

@@ -8,7 +8,7 @@ import signal
 import time
 from pathlib import Path
 
-from cache_daemon.procutil import pid_alive
+from failover_common.proc import pid_alive
 
 TESTS = Path(__file__).resolve().parent
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from failover.config import Config, ServiceConfig
+from failover.config.schema import Config, ServiceConfig
 
 
 def daemon_argv(config: Config) -> list[str]:

@@ -10,7 +10,7 @@ import asyncio
 import os
 import time
 
-from failover.nvidia_smi import gpu_pids
+from failover.procs.memory import gpu_pids
 
 VERIFY_TIMEOUT = 5.0  # process tree gone and off the GPU after the engine exited
 

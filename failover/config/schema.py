@@ -1,8 +1,8 @@
 """The node config: one TOML file parsed once into frozen, validated msgspec Structs.
 
 ``load_config(path)`` checks the shape (unknown keys, types, allowed values) and the cross-field rules
-(unique names and ports); ``preflight(config)`` checks the machine (model files, tensor-parallel
-split, free ports, run dir) and runs only before ``failover up`` starts anything. Admin commands load
+(unique names and ports); ``failover.config.preflight.preflight(config)`` checks the machine (model
+files, tensor-parallel split, free ports, run dir) and runs only before ``failover up`` starts anything. Admin commands load
 the same file to find the router and its token, without the machine checks.
 
 Every error names its key path (``service[1].port``) and says what is allowed.
@@ -10,18 +10,15 @@ Every error names its key path (``service[1].port``) and says what is allowed.
 
 from __future__ import annotations
 
-import json
 import re
-import socket
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
 
-from cache_daemon import owned
-from failover import nvidia_smi
-from failover.config_errors import explain, unknown_key
+from failover.config.errors import explain, unknown_key
+from failover_common.sizes import parse_size
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -31,9 +28,6 @@ NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 DTYPES = ("float32", "bfloat16", "float16")
 TEMPLATE_FIELDS = ("model", "host", "port", "name", "service", "socket", "tp", "dtype", "device",
                    "transform", "kv_memory", "run_dir")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 class ConfigError(Exception):
@@ -192,18 +186,6 @@ class Config(_Base):
         return f"http://{host}:{self.router.port}"
 
 
-def parse_size(value: int | str) -> int:
-    """``268435456``, ``"256MiB"``, ``"1.5GB"`` -> bytes."""
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError("must not be negative")
-        return value
-    m = _SIZE.match(value)
-    if not m:
-        raise ValueError(f"{value!r} is not a size; use bytes or a number with B, KiB, MiB, GiB (or KB, MB, GB)")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
-
-
 def load_config(path: str | Path) -> Config:
     """Parse and check ``path``; raises ConfigError naming each problem's key."""
     path = Path(path)
@@ -335,140 +317,3 @@ def _check_template(key: str, command: list[str]) -> list[str]:
                 problems.append(f"{key}.command: unknown placeholder {{{field}}}; allowed: "
                                 + ", ".join("{%s}" % f for f in TEMPLATE_FIELDS))
     return problems
-
-
-def preflight(config: Config) -> None:
-    """Check the machine before anything starts: model files, tp split, free ports, run dir."""
-    problems = _check_model(config.model)
-    if not problems:
-        problems += _check_memory(config)
-    ports = [("router.port", config.router.host, config.router.port)]
-    for i, svc in enumerate(config.service):
-        ports += [(f"service[{i}] ({svc.name})", "127.0.0.1", p) for p in svc.ports]
-    for key, host, port in ports:
-        if not port_is_free(host, port):
-            problems.append(f"{key}: port {port} is in use on {host}; stop what holds it or choose another port")
-    for i, svc in enumerate(config.service):
-        if svc.batch is not None:
-            problems += _check_batch_files(f"service[{i}].batch", svc.batch)
-    run = config.run_path
-    try:  # a symlink or another user's dir is refused here, before anything is created in it
-        owned.check_private_dir(run)
-    except (owned.UntrustedPath, OSError) as e:
-        problems.append(f"run_dir: {e}")
-        run_ok = False
-    else:
-        run_ok = True
-    if run_ok and (other := _live_supervisor(run)) is not None:
-        problems.append(f"run_dir: `failover up` (pid {other}) is already running with {run}; "
-                        "stop it, or use another run_dir")
-    if problems:
-        raise ConfigError(config.source, problems)
-
-
-def _check_batch_files(key: str, batch: BatchConfig) -> list[str]:
-    """The input must be readable and the output appendable: refused before any work is done."""
-    import os
-
-    problems = []
-    src = Path(batch.input)
-    if not src.exists():
-        problems.append(f"{key}.input: {src} does not exist; give a JSONL file or a folder of *.jsonl files")
-    elif src.is_dir() and not any(p.suffix == ".jsonl" for p in src.iterdir()):
-        problems.append(f"{key}.input: folder {src} holds no *.jsonl file")
-    out = Path(batch.output)
-    if out.exists() or out.is_symlink():
-        if not out.is_symlink() and not out.is_file():
-            problems.append(f"{key}.output: {out} is not a regular file; give a file path for the results")
-            return problems
-        try:  # ours, not a symlink, nobody else may write it (owned.py); then: can we append?
-            owned.check_private_file(out, mode=batch.output_mode, what="batch output")
-            os.close(os.open(out, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW))
-        except owned.UntrustedPath as e:
-            problems.append(f"{key}.output: {e}")
-        except OSError as e:
-            problems.append(f"{key}.output: cannot write {out}: {e.strerror}; fix its permissions or choose another path")
-        return problems
-    parent = out.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        problems.append(f"{key}.output: cannot create {out}: {parent} is not a writable directory; "
-                        "fix its permissions or choose another path")
-    return problems
-
-
-def _check_memory(config: Config) -> list[str]:
-    """KV budgets of every instance plus one copy of the weights must fit in free memory."""
-    kv = sum(svc.kv_memory_bytes * svc.instances for svc in config.service)
-    weights = sum(f.stat().st_size for f in Path(config.model.path).glob("*.safetensors"))
-    if config.model.device == "cpu":
-        free, where = _mem_available(), "MemAvailable in /proc/meminfo"
-    else:
-        weights //= config.model.tp
-        free, where = nvidia_smi.gpu_free_bytes(), "free memory of the emptiest GPU (nvidia-smi)"
-    if free is None or kv + weights <= free:
-        return []
-    gib = 1 << 30
-    return [f"service[*].kv_memory: the instances' KV budgets ({kv / gib:.1f} GiB) plus the weights "
-            f"({weights / gib:.1f} GiB) exceed {where} ({free / gib:.1f} GiB); lower kv_memory or standbys"]
-
-
-def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _live_supervisor(run: Path) -> int | None:
-    """The pid in RUN_DIR/supervisor.pid when that process lives; a stale file is removed."""
-    import os
-
-    pid_file = run / "supervisor.pid"
-    try:
-        pid = int(pid_file.read_text().strip())
-        os.kill(pid, 0)
-    except (FileNotFoundError, ValueError):
-        return None
-    except ProcessLookupError:
-        pid_file.unlink(missing_ok=True)
-        return None
-    except PermissionError:
-        return pid
-    return pid
-
-
-def _check_model(model: ModelConfig) -> list[str]:
-    path = Path(model.path)
-    if not path.is_dir():
-        return [f"model.path: {model.path!r} does not exist; create a checkpoint there "
-                f"(e.g. `failover tiny-model {model.path}`) or point to a Hugging Face model directory"]
-    if not (path / "config.json").is_file():
-        return [f"model.path: {model.path!r} has no config.json; point to a Hugging Face model directory"]
-    try:
-        hf = json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        return [f"model.path: {path / 'config.json'} is not valid JSON: {e}"]
-    problems = []
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = hf.get(field)
-        if isinstance(value, int) and value % model.tp:
-            problems.append(f"model.tp: {model.tp} does not divide {field} = {value} of the model; "
-                            f"use a tp that divides it")
-    return problems
-
-
-def port_is_free(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is free
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True

@@ -10,14 +10,14 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from failover.config import Config
-from failover.coserve import DONE, ResumeRefused
+from failover.config.schema import Config
+from failover.coserve.coserver import DONE, ResumeRefused
 from router.app import Router
 from router.config import RouterConfig
 from router.errors import AdminError
 
 if TYPE_CHECKING:
-    from failover.supervisor import Supervisor
+    from failover.node.supervisor import Supervisor
 
 
 def router_config(config: Config) -> RouterConfig:

@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 import aiohttp
 import structlog
 
-from failover.batch_io import BatchItem, ResultLog, error_record, result_record
+from failover.coserve.batch_io import BatchItem, ResultLog, error_record, result_record
 
 log = structlog.get_logger(__name__)
 

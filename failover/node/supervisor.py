@@ -4,7 +4,7 @@ It starts the cache daemon and the zygote, launches every configured instance sl
 ready ones with the in-process router, and from then on reacts: an engine's exit reaches the router
 the instant its pidfd turns readable (``router.instance_exited``), and the slot is relaunched at once,
 mapped from the same resident weights, and registered again as a standby. The router asks for
-fencing, replacements and co-serving evictions through ``failover.node_router.NodeLauncher``.
+fencing, replacements and co-serving evictions through ``failover.node.bridge.NodeLauncher``.
 
 Ownership: the supervisor is a child subreaper; it owns (and reaps) every process of the node. It
 owns the run dir's pid file, the engines' admin token (``engine.token``: only it and the engines it
@@ -26,16 +26,19 @@ import aiohttp
 import structlog
 
 from cache_daemon import owned
-from failover import launch, processes, slots
-from failover.cache_proc import CacheDaemon
-from failover.config import Config, ServiceConfig
-from failover.coserve import Coserver
-from failover.coserve_status import BatchCollector, report
-from failover.engine_args import engine_argv, external_argv
-from failover.node_router import NodeLauncher, NodeRouter, router_config
-from failover.processes import Child, ChildFailed
-from failover.restart import CrashLoop, RestartPolicy
-from failover.slots import Slot
+from failover_common.proc import become_subreaper
+from failover.procs import launch
+from failover.procs import child as processes
+from failover.node import slots
+from failover.node.daemon import CacheDaemon
+from failover.config.schema import Config, ServiceConfig
+from failover.coserve.coserver import Coserver
+from failover.coserve.status import BatchCollector, report
+from failover.config.argv import engine_argv, external_argv
+from failover.node.bridge import NodeLauncher, NodeRouter, router_config
+from failover.procs.child import Child, ChildFailed
+from failover.procs.restart import CrashLoop, RestartPolicy
+from failover.node.slots import Slot
 from router import states
 
 log = structlog.get_logger(__name__)
@@ -74,7 +77,7 @@ class Supervisor:
     async def start(self) -> None:
         """Daemon and zygote (concurrently), then every slot, then the router. Raises on failure."""
         self._prepare_run_dir()
-        processes.become_subreaper()
+        become_subreaper()
         asyncio.get_running_loop().add_signal_handler(signal.SIGCHLD, self._reap_orphans)
         self._session = aiohttp.ClientSession()
         self.progress(f"starting the cache daemon ({self.config.model.path}) and the zygote")

@@ -1,6 +1,7 @@
-"""GPU facts for the supervisor, from nvidia-smi: the supervisor never creates a CUDA context.
+"""Free memory and who holds the GPU, for the supervisor: /proc/meminfo and nvidia-smi, never a CUDA
+context (the supervisor creates none).
 
-Every function returns None where there is no nvidia-smi to ask (a CPU node) or it fails.
+Every function returns None where it cannot tell (no nvidia-smi on a CPU node, a failed query).
 """
 
 from __future__ import annotations
@@ -33,3 +34,20 @@ def gpu_pids() -> set[int] | None:
     """Pids holding a CUDA context."""
     lines = query("compute-apps=pid", timeout=5.0)
     return None if lines is None else {int(v) for v in lines if v.isdigit()}
+
+
+def mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo, in bytes."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def free_bytes(device: str) -> int | None:
+    """Memory a new instance on ``device`` ("cpu" or "cuda") can take."""
+    return mem_available() if device == "cpu" else gpu_free_bytes()

@@ -17,10 +17,10 @@ from typing import Callable
 
 import structlog
 
-from failover import processes
-from failover.config import Config
-from failover.engine_args import daemon_argv
-from failover.processes import Child, ChildFailed
+from failover.procs import child as processes
+from failover.config.schema import Config
+from failover.config.argv import daemon_argv
+from failover.procs.child import Child, ChildFailed
 
 log = structlog.get_logger(__name__)
 

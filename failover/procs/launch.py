@@ -20,9 +20,9 @@ from typing import Callable
 
 import structlog
 
-from failover import processes
-from failover.processes import Child
-from failover.zygote import Failed, Fork, Forked, Hello, decode, encode
+from failover.procs import child as processes
+from failover.procs.child import Child
+from failover.procs.zygote import Failed, Fork, Forked, Hello, decode, encode
 
 log = structlog.get_logger(__name__)
 
@@ -56,7 +56,7 @@ class Zygote:
         """Start the zygote and wait for its Hello (it has imported torch and the engine)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            args = [sys.executable, "-m", "failover.zygote", "--fd", str(theirs.fileno()),
+            args = [sys.executable, "-m", "failover.procs.zygote", "--fd", str(theirs.fileno()),
                     "--preload", self.preload, "--device", self.device]
             self.child = processes.spawn("zygote", args, env=self.env, on_exit=self._exited,
                                          pass_fds=(theirs.fileno(),), stdout=self.stdout)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from failover.processes import Child
+from failover.procs.child import Child
 
 log = structlog.get_logger(__name__)
 

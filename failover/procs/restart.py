@@ -12,7 +12,7 @@ from collections import deque
 
 import tenacity
 
-from failover.config import SupervisorConfig
+from failover.config.schema import SupervisorConfig
 
 
 class CrashLoop(Exception):

@@ -14,7 +14,6 @@ killed when that thread ends.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import os
 import signal
@@ -26,32 +25,9 @@ from typing import Callable
 import aiohttp
 import structlog
 
+from failover_common.proc import die_with_parent
+
 log = structlog.get_logger(__name__)
-
-PR_SET_PDEATHSIG = 1
-PR_SET_NAME = 15
-PR_SET_CHILD_SUBREAPER = 36
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def prctl(option: int, arg: int | bytes) -> None:
-    if _libc.prctl(option, arg, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl({option}): {os.strerror(err)}")
-
-
-def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
-    prctl(PR_SET_PDEATHSIG, int(sig))
-
-
-def set_process_name(name: str) -> None:
-    """Name the process for ps/top (``comm``, 15 bytes)."""
-    prctl(PR_SET_NAME, name.encode()[:15])
-
-
-def become_subreaper() -> None:
-    """Orphaned descendants (the zygote's double-forked engines) are re-parented to this process."""
-    prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 class ChildFailed(RuntimeError):
@@ -172,7 +148,7 @@ def spawn(name: str, args: list[str], *, on_exit: Callable[[Child], None] | None
     """Start ``args`` as a named child in its own session, with PR_SET_PDEATHSIG."""
 
     def preexec() -> None:  # runs in the child between fork and exec
-        set_pdeathsig(deathsig)
+        die_with_parent(deathsig)
 
     stderr = stdout if stderr is None else stderr  # a log file given for output takes both streams
     popen = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,

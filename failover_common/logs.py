@@ -1,7 +1,7 @@
 """Logging setup shared by every process of the project.
 
-cache_daemon is the lowest layer (the engine and the supervisor import its client), so the one
-structlog configuration lives here; libraries only call ``structlog.get_logger(__name__)`` and the
+The one structlog configuration, in the leaf package so that every package (the router included)
+uses it without importing another; libraries only call ``structlog.get_logger(__name__)`` and the
 process entry points call :func:`configure_logging` once.
 """
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import aiohttp
 
-from cache_daemon.logs import configure_logging
-from failover.config import parse_config
-from failover.ports import free_ports
+from failover_common.logs import configure_logging
+from failover.config.schema import parse_config
+from failover_common.ports import free_ports
 
 
 def free_port_pair() -> int:
@@ -95,8 +95,8 @@ def node_config(workdir: Path, model: Path, launch: str) -> dict:
 
 
 async def run(args: argparse.Namespace, workdir: Path) -> int:
-    from failover.supervisor import Supervisor
-    from failover.tiny_model import TinySpec, write_checkpoint
+    from failover.node.supervisor import Supervisor
+    from failover.tools.tiny_model import TinySpec, write_checkpoint
 
     tl = Timeline()
     model = write_checkpoint(workdir / "model", TinySpec(layers=2, hidden=64))

@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from failover.config import ConfigError, load_config
+from failover.config.schema import ConfigError, load_config
 
 
 class AdminError(Exception):

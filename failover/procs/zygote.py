@@ -1,6 +1,6 @@
 """The zygote: a process that has paid for ``import torch`` and the engine once, and forks engines.
 
-Started by the supervisor as ``python -m failover.zygote --fd N``, with one end of a socketpair as fd
+Started by the supervisor as ``python -m failover.procs.zygote --fd N``, with one end of a socketpair as fd
 N. It imports the preload modules, says ``Hello``, and then serves ``Fork`` requests one at a time.
 It never creates a CUDA context, a thread pool or an event loop: each fork must get a clean copy.
 
@@ -143,7 +143,7 @@ def _double_fork(req: Fork, sock: socket.socket) -> int:
 
 def _run_child(req: Fork) -> None:
     """In the forked engine: arm the parent-death signal, name the process, run the target."""
-    from failover.processes import set_pdeathsig, set_process_name
+    from failover_common.proc import die_with_parent, set_process_name
 
     code = 1
     try:
@@ -155,7 +155,7 @@ def _run_child(req: Fork) -> None:
             deadline = time.monotonic() + 5.0
             while os.getppid() != req.parent_pid and time.monotonic() < deadline:
                 time.sleep(0.0005)  # the intermediate exits right after forking us
-            set_pdeathsig(signal.SIGKILL)
+            die_with_parent(signal.SIGKILL)
             if os.getppid() != req.parent_pid:  # the supervisor died meanwhile (or is no subreaper)
                 os._exit(70)
         os.environ.update(req.env)
@@ -176,14 +176,14 @@ def _run_child(req: Fork) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m failover.zygote", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m failover.procs.zygote", description=__doc__.splitlines()[0])
     p.add_argument("--fd", type=int, required=True, help="inherited socket to the supervisor")
     p.add_argument("--preload", default="torch,engine.cli,engine.serve,cache_daemon.client",
                    help="comma-separated modules to import before forking")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="also load what attaching weights on this device needs (no CUDA context)")
     a = p.parse_args(argv)
-    from failover.processes import set_process_name
+    from failover_common.proc import set_process_name
 
     set_process_name("fo:zygote")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle

@@ -6,7 +6,7 @@ import asyncio
 
 from prometheus_client.core import GaugeMetricFamily
 
-from failover.coserve import DONE, FAILED, PREEMPTED, Coserver
+from failover.coserve.coserver import DONE, FAILED, PREEMPTED, Coserver
 
 
 def bar(coserver: Coserver) -> list[str]:

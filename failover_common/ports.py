@@ -1,4 +1,5 @@
-"""Picking free TCP ports for nodes started by tests, benchmarks and the demo.
+"""Free TCP ports: whether one is free (preflight), and picking some (tests, benchmarks, the demo,
+the engine's tensor-parallel rendezvous).
 
 ``bind(("", 0))`` hands out a port from the kernel's ephemeral range, the same range outgoing
 connections take their source ports from; a port picked that way can be taken by any client socket
@@ -15,7 +16,10 @@ LOW, HIGH = 20000, 32000  # below Linux's default ephemeral range (32768-60999)
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
+    """Whether a server could bind ``host:port`` now (IPv4 or IPv6; a port in TIME_WAIT is free)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind
         try:
             s.bind((host, port))
         except OSError:

@@ -35,18 +35,18 @@ import aiohttp
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
-from failover import slots
-from failover.batch_io import BatchInputError, BatchOutputError, CorruptOutput, ResultLog, read_items
-from failover.batch_runner import BatchRunner
-from failover.config import ServiceConfig, _mem_available, watched_services
-from failover.nvidia_smi import gpu_free_bytes
-from failover.coserve_policy import CoservePolicy, Decision, PressurePolicy
-from failover.coserve_release import descendants, verify_released
-from failover.slots import Slot
+from failover.node import slots
+from failover.coserve.batch_io import BatchInputError, BatchOutputError, CorruptOutput, ResultLog, read_items
+from failover.coserve.runner import BatchRunner
+from failover.config.schema import ServiceConfig, watched_services
+from failover.procs import memory
+from failover.coserve.policy import CoservePolicy, Decision, PressurePolicy
+from failover.coserve.release import descendants, verify_released
+from failover.node.slots import Slot
 from router import states
 
 if TYPE_CHECKING:
-    from failover.supervisor import Supervisor
+    from failover.node.supervisor import Supervisor
 
 log = structlog.get_logger(__name__)
 
@@ -105,7 +105,7 @@ class Coserver:
             slot = supervisor.slots[svc.slot_names()[0]]
             self.jobs[svc.name] = BatchJob(svc, slot, policy, watched_services(svc, services))
         self._ttft: dict[str, tuple[int, float, float]] = {}  # instance -> (pid, sum, count) last scraped
-        self._free_memory = _mem_available if self.device == "cpu" else gpu_free_bytes  # tests may replace it
+        self._free_memory = lambda: memory.free_bytes(self.device)
 
     def is_batch(self, service: str) -> bool:
         return service in self.jobs

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import structlog
 
-from cache_daemon.logs import configure_logging
-from failover.config import ConfigError, load_config, preflight
+from failover_common.logs import configure_logging
+from failover.config.preflight import preflight
+from failover.config.schema import ConfigError, load_config
 
 log = structlog.get_logger(__name__)
 
@@ -36,7 +37,7 @@ def progress_printer(start: float):
 
 
 async def serve(config, progress) -> int:
-    from failover.supervisor import Supervisor  # imports the router and aiohttp: after arg checks
+    from failover.node.supervisor import Supervisor  # imports the router and aiohttp: after arg checks
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,0 +1,1 @@
+"""The `failover` subcommands of this package: up, the admin clients, the demo."""
