@@ -1,200 +1,58 @@
-"""Frames on a Unix stream socket: 4-byte big-endian length + body, optional fds via SCM_RIGHTS.
+"""The daemon protocol's frames: ``protocol`` messages in the one frame codec (``failover_common.frames``).
 
 Blocking helpers serve the client and the loader; the ``async_`` ones serve the daemon's event loop
-on non-blocking sockets. Fds ride with the frame's first bytes; a receiver that does not expect fds
-reads with no ancillary buffer, so any fds a peer pushes at it are closed by the kernel.
+on non-blocking sockets. Every codec error reaches callers as a :class:`ProtocolError` with the
+codec's code (``closed``, ``bad_frame``, ``too_large``, ``busy``).
 """
 
 from __future__ import annotations
 
-import array
-import asyncio
-import os
 import socket
-import struct
+
+from failover_common import frames
+from failover_common.frames import FrameBudget, FrameError, close_fds, wait_readable  # noqa: F401 (the daemon's names)
 
 from . import protocol
 from .errors import ProtocolError
 
-HEADER = struct.Struct(">I")
-
 
 def encode_frame(msg) -> bytes:
-    body = protocol.encode(msg)
-    if len(body) > protocol.MAX_FRAME:
-        raise ProtocolError(f"message of {len(body)} bytes exceeds the {protocol.MAX_FRAME}-byte frame cap",
-                            "too_large")
-    return HEADER.pack(len(body)) + body
-
-
-def check_length(n: int, max_size: int) -> None:
-    if n == 0:
-        raise ProtocolError("empty frame", "bad_frame")
-    if n > max_size:
-        raise ProtocolError(f"frame of {n} bytes exceeds the {max_size}-byte cap", "too_large")
-
-
-def _take_fds(ancdata, flags: int, into: list[int]) -> None:
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds = array.array("i")
-            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
-            into.extend(fds)
-    if flags & socket.MSG_CTRUNC:
-        close_fds(into)
-        raise ProtocolError("more fds arrived than expected", "bad_frame")
-
-
-def close_fds(fds: list[int]) -> None:
-    while fds:
-        os.close(fds.pop())
-
-
-def _recv_some(sock: socket.socket, n: int, max_fds: int, fds: list[int]) -> bytes:
-    if not max_fds:
-        return sock.recv(n)
-    data, anc, flags, _ = sock.recvmsg(n, socket.CMSG_SPACE(max_fds * 4))
-    _take_fds(anc, flags, fds)
-    return data
-
-
-def _truncated(got: int, want: int) -> ProtocolError:
-    return ProtocolError(f"connection closed mid-frame ({got} of {want} bytes)" if got else
-                         "connection closed", "bad_frame" if got else "closed")
-
-
-# ---- blocking --------------------------------------------------------------------------------
-
-def _recv_exact(sock, n: int, max_fds: int, fds: list[int]) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = _recv_some(sock, n - len(buf), max_fds if not buf else 0, fds)
-        if not chunk:
-            raise _truncated(len(buf), n)
-        buf += chunk
-    return bytes(buf)
+    try:
+        return frames.pack(protocol.encode(msg), protocol.MAX_FRAME)
+    except FrameError as e:
+        raise ProtocolError(str(e), e.code) from None
 
 
 def recv_frame(sock: socket.socket, *, max_fds: int = 0, max_size: int = protocol.MAX_FRAME):
-    """Read one frame: ``(message, fds)``. The caller owns the returned fds."""
-    fds: list[int] = []
+    """Read one message: ``(message, fds)``. The caller owns the returned fds."""
     try:
-        (n,) = HEADER.unpack(_recv_exact(sock, HEADER.size, max_fds, fds))
-        check_length(n, max_size)
-        return protocol.decode(_recv_exact(sock, n, 0, fds)), fds
+        body, fds = frames.recv(sock, max_size=max_size, max_fds=max_fds)
+    except FrameError as e:
+        raise ProtocolError(str(e), e.code) from None
+    try:
+        return protocol.decode(body), fds
     except BaseException:
         close_fds(fds)
         raise
 
 
 def send_frame(sock: socket.socket, msg, fds=()) -> None:
-    """Write one frame; ``fds`` are duplicated into the peer (the caller still owns its copies)."""
-    data = encode_frame(msg)
-    if fds:
-        sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-        data = data[sent:]
-    sock.sendall(data)
-
-
-# ---- asyncio (non-blocking sockets) ----------------------------------------------------------
-
-async def _wait(sock: socket.socket, writable: bool) -> None:
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-    add, remove = (loop.add_writer, loop.remove_writer) if writable else (loop.add_reader, loop.remove_reader)
-    add(sock.fileno(), lambda: fut.done() or fut.set_result(None))
-    try:
-        await fut
-    finally:
-        remove(sock.fileno())
-
-
-async def wait_readable(sock: socket.socket) -> None:
-    """Until ``sock`` has bytes (or EOF) to read: a frame is starting."""
-    await _wait(sock, writable=False)
-
-
-class FrameBudget:
-    """Bytes of frames being received, across every connection of one daemon, capped.
-
-    A frame's whole announced length is reserved when its header arrives, before its body is
-    buffered, and released when the frame is decoded or abandoned (closed, timed out, cancelled).
-    """
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self.used = 0
-
-    def reserve(self, n: int) -> None:
-        if self.used + n > self.cap:
-            raise ProtocolError(f"frame of {n} bytes refused: {self.used} bytes of other frames are being "
-                                f"received (cap {self.cap}); retry later", "busy")
-        self.used += n
-
-    def release(self, n: int) -> None:
-        self.used -= n
-        assert self.used >= 0, "released more than reserved"
-
-
-async def _async_recv_header(sock, max_fds: int, fds: list[int]) -> bytes:
-    buf = b""
-    while len(buf) < HEADER.size:
-        try:
-            chunk = _recv_some(sock, HEADER.size - len(buf), max_fds if not buf else 0, fds)
-        except (BlockingIOError, InterruptedError):
-            await _wait(sock, writable=False)
-            continue
-        if not chunk:
-            raise _truncated(len(buf), HEADER.size)
-        buf += chunk
-    return buf
-
-
-async def _async_recv_into(sock, buf: bytearray) -> None:
-    # One buffer of the announced size, filled in place: no growth by reallocation and no copy,
-    # so what a frame holds is exactly what it reserved, and it goes back at once when dropped.
-    view, got = memoryview(buf), 0
-    try:
-        while got < len(buf):
-            try:
-                k = sock.recv_into(view[got:])
-            except (BlockingIOError, InterruptedError):
-                await _wait(sock, writable=False)
-                continue
-            if not k:
-                raise _truncated(got, len(buf))
-            got += k
-    finally:
-        view.release()
+    """Write one message; ``fds`` are duplicated into the peer (the caller still owns its copies)."""
+    frames.send(sock, encode_frame(msg), fds)
 
 
 async def async_recv_frame(sock: socket.socket, *, max_fds: int = 0, max_size: int = protocol.MAX_FRAME,
                            budget: FrameBudget | None = None):
-    fds: list[int] = []
     try:
-        (n,) = HEADER.unpack(await _async_recv_header(sock, max_fds, fds))
-        check_length(n, max_size)
-        if budget is not None:
-            budget.reserve(n)
-        try:
-            body = bytearray(n)
-            await _async_recv_into(sock, body)
-            return protocol.decode(body), fds
-        finally:
-            if budget is not None:
-                budget.release(n)
+        body, fds = await frames.async_recv(sock, max_size=max_size, max_fds=max_fds, budget=budget)
+    except FrameError as e:
+        raise ProtocolError(str(e), e.code) from None
+    try:
+        return protocol.decode(body), fds
     except BaseException:
         close_fds(fds)
         raise
 
 
 async def async_send_frame(sock: socket.socket, msg, fds=()) -> None:
-    view = memoryview(encode_frame(msg))
-    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-    while view:
-        try:
-            sent = sock.sendmsg([view], anc) if anc else sock.send(view)
-        except (BlockingIOError, InterruptedError):
-            await _wait(sock, writable=True)
-            continue
-        view, anc = view[sent:], []
+    await frames.async_send(sock, encode_frame(msg), fds)

@@ -13,7 +13,6 @@ import asyncio
 import os
 import signal
 import socket
-import struct
 import sys
 import time
 from typing import Callable
@@ -22,7 +21,8 @@ import structlog
 
 from failover.procs import child as processes
 from failover.procs.child import Child
-from failover.procs.zygote import Failed, Fork, Forked, Hello, decode, encode
+from failover.procs.zygote import MAX_FRAME, Failed, Fork, Forked, Hello, decode, encode
+from failover_common import frames
 
 log = structlog.get_logger(__name__)
 
@@ -66,7 +66,7 @@ class Zygote:
         self._reader, self._writer = await asyncio.open_unix_connection(sock=ours)
         try:
             msg = await asyncio.wait_for(self._read(), timeout)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+        except (asyncio.TimeoutError, frames.FrameError) as e:
             await self.stop()
             raise ZygoteError(f"the zygote did not come up ({type(e).__name__}); see its log above") from None
         assert isinstance(msg, Hello), msg
@@ -83,8 +83,7 @@ class Zygote:
 
     async def _read(self):
         assert self._reader is not None
-        (size,) = struct.unpack("!I", await self._reader.readexactly(4))
-        return decode(await self._reader.readexactly(size))
+        return decode(await frames.read_stream(self._reader, max_size=MAX_FRAME))
 
     async def ensure(self) -> None:
         """Start the zygote unless it runs (after a crash: at once, so forks stay fast)."""
@@ -108,7 +107,7 @@ class Zygote:
                 self._writer.write(encode(req))
                 await self._writer.drain()
                 reply = await asyncio.wait_for(self._read(), timeout)
-            except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+            except (ConnectionError, frames.FrameError, asyncio.TimeoutError) as e:
                 self._resync()
                 raise ZygoteError(f"the zygote failed while forking {name}: {type(e).__name__}") from None
             if isinstance(reply, Failed):

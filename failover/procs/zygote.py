@@ -10,7 +10,8 @@ and only then sets PR_SET_PDEATHSIG against it. So the engine is the supervisor'
 watched there), dies with the supervisor, and outlives the zygote: a crashed zygote costs no
 serving engine, only a restart of itself.
 
-Wire: frames of a 4-byte big-endian length and a msgpack body, one tagged union (below).
+Wire: the project's frame codec (``failover_common.frames``: a 4-byte big-endian length, capped) with
+a msgpack body, one tagged union (below).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import traceback
 import warnings
 
 import msgspec
+
+from failover_common import frames
 
 MAX_FRAME = 1 << 20
 
@@ -71,29 +74,16 @@ _decoder = msgspec.msgpack.Decoder(Message)
 
 
 def encode(msg: Message) -> bytes:
-    body = _encoder.encode(msg)
-    return struct.pack("!I", len(body)) + body
+    return frames.pack(_encoder.encode(msg), MAX_FRAME)
 
 
 def decode(body: bytes) -> Message:
     return _decoder.decode(body)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise EOFError("supervisor closed the zygote socket")
-        buf += chunk
-    return bytes(buf)
-
-
 def _read_frame(sock: socket.socket) -> Message:
-    (size,) = struct.unpack("!I", _recv_exact(sock, 4))
-    if size > MAX_FRAME:
-        raise ValueError(f"frame of {size} bytes is over the {MAX_FRAME} limit")
-    return decode(_recv_exact(sock, size))
+    body, _ = frames.recv(sock, max_size=MAX_FRAME)
+    return decode(body)
 
 
 def serve(sock: socket.socket, preload: list[str], import_s: float) -> int:
@@ -101,7 +91,10 @@ def serve(sock: socket.socket, preload: list[str], import_s: float) -> int:
     while True:
         try:
             msg = _read_frame(sock)
-        except EOFError:  # the supervisor is done with us; nothing to tear down (skip torch's atexit)
+        except frames.FrameError as e:
+            if e.code not in ("closed", "bad_frame"):
+                raise
+            # EOF: the supervisor is done with us; nothing to tear down (skip torch's atexit)
             sys.stderr.flush()
             os._exit(0)
         if not isinstance(msg, Fork):
