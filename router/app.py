@@ -72,7 +72,7 @@ class Router:
         else:
             if inst.service != service:
                 raise ValueError(f"instance {name!r} belongs to service {inst.service!r}")
-            if inst.role in (states.PRIMARY, states.DRAINING) and not inst.fenced:
+            if inst.role in states.SERVING and not inst.fenced:
                 raise ValueError(f"instance {name!r} is {inst.role}; remove it before re-adding")
             self._reregister(inst, url, role, pid)
         if role == states.PRIMARY:
@@ -94,6 +94,45 @@ class Router:
         self.promoter.set_ready(inst, False, "re-registered")
         if inst.role != role:
             self.promoter.set_role(inst, role, "re-registered")
+
+    def register(self, service: str, name: str, url: str, role: str, pid: int | None) -> None:
+        """A launcher's ready instance: added, or re-registered when it is out of service
+        (relaunching, stopped, preempted); one the router still routes (a resumed standby whose
+        engine was started again) keeps its role and only learns its new pid."""
+        inst = self._find(name)
+        if inst is None or inst.role in states.OUT_OF_SERVICE:
+            self.add_instance(service, name, url, role, pid=pid)
+        else:
+            inst.pid = pid
+
+    def knows(self, name: str) -> bool:
+        """Whether instance ``name`` is registered."""
+        return self._find(name) is not None
+
+    def knows_service(self, service: str) -> bool:
+        """Whether ``service`` has had an instance registered."""
+        return service in self.services
+
+    def queue_depth(self, service: str) -> int:
+        """Requests of ``service`` waiting for a primary plus those in flight (0: unknown service)."""
+        svc = self.services.get(service)
+        return 0 if svc is None else svc.waiting + sum(i.inflight for i in svc.instances.values())
+
+    def primary(self, service: str) -> Instance | None:
+        """The serving primary of ``service``, if any (read-only for callers)."""
+        svc = self.services.get(service)
+        inst = svc.primary if svc is not None else None
+        return inst if inst is not None and inst.role == states.PRIMARY else None
+
+    async def preempted(self, service: str) -> None:
+        """The launcher evicts ``service`` itself (co-serving): stop routing to it, ask nothing back."""
+        if service in self.services:
+            await self.promoter.preempt(self.services[service], evict=False)
+
+    async def resumed(self, service: str) -> None:
+        """The launcher started ``service`` again itself: its preempted instances become standbys."""
+        if service in self.services:
+            await self.promoter.resume(self.services[service], self.health.watch, relaunch=False)
 
     def remove_instance(self, name: str) -> None:
         """Forget ``name``: no more requests or probes (its process is the caller's business)."""

@@ -125,7 +125,7 @@ class Promoter:
             if inst is self.services[inst.service].primary and self.best_standby(self.services[inst.service]):
                 self.fail(inst, "never_ready")
             return
-        if inst.role in (states.PRIMARY, states.DRAINING):
+        if inst.role in states.SERVING:
             self.fail(inst, kind)
         else:  # a standby that does not answer is not promoted; it may come back by itself
             self.set_ready(inst, False, f"{kind}: {why}")
@@ -292,20 +292,26 @@ class Promoter:
             log.warning("drain_timeout", instance=inst.name, inflight=inst.inflight)
             return False
 
-    async def preempt(self, service: Service) -> dict:
+    async def preempt(self, service: Service, *, evict: bool = True) -> dict:
+        """Stop routing to ``service``; then (``evict``) the launcher evicts its engines. Without
+        ``evict`` the launcher did (or does) that itself and only tells the router."""
         async with service.lock:
             for inst in service.instances.values():
-                if inst.role in (states.PRIMARY, states.STANDBY, states.DRAINING):
+                if inst.role in states.WATCHED:
                     self.set_role(inst, states.PREEMPTED, "preempt")
                     self.set_ready(inst, False, "preempted")
             service.primary = None
             service.refresh()
-            await self._bounded(self.launcher.preempt(service.name), "preempt", service.name)
+            if evict:
+                await self._bounded(self.launcher.preempt(service.name), "preempt", service.name)
             return {"service": service.name, "preempted": True}
 
-    async def resume(self, service: Service, watch: Callable[[Instance], None]) -> dict:
+    async def resume(self, service: Service, watch: Callable[[Instance], None], *, relaunch: bool = True) -> dict:
+        """``service`` comes back: (``relaunch``) the launcher starts its engines, then its preempted
+        instances are standbys until a probe says ready."""
         async with service.lock:
-            await self._bounded(self.launcher.resume(service.name), "resume", service.name)
+            if relaunch:
+                await self._bounded(self.launcher.resume(service.name), "resume", service.name)
             for inst in service.instances.values():
                 if inst.role == states.PREEMPTED:
                     inst.generation += 1

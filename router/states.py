@@ -47,6 +47,10 @@ ALLOWED: dict[str, frozenset[str]] = {
 ROUTABLE = frozenset({PRIMARY})
 # Roles whose process we expect to be alive and serving; a failure there is news.
 WATCHED = frozenset({PRIMARY, STANDBY, DRAINING})
+# Roles that hold (or finish) requests: such an instance is removed before it is added again.
+SERVING = frozenset({PRIMARY, DRAINING})
+# Roles out of service until the instance is registered again (relaunched, re-added, resumed).
+OUT_OF_SERVICE = frozenset({RELAUNCHING, STOPPED, PREEMPTED})
 
 
 class IllegalTransition(AssertionError):

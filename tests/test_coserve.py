@@ -223,7 +223,7 @@ def test_batch_keys_are_checked_with_their_key_path(tiny_model):
 
 def test_ttft_is_read_from_the_engines_own_metrics_page():
     from engine.metrics import EngineMetrics
-    from failover.coserve.coserver import ttft_totals
+    from failover.coserve.load import ttft_totals
 
     m = EngineMetrics("chat")
     assert ttft_totals(m.render().decode()) == (0.0, 0.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -147,6 +148,29 @@ def test_hung_primary_is_fenced_and_replaced(procs, tiny_model, run_dir):
         load.stop()
         assert load.failures == [], load.failures[:5]
         assert '"reason": "fenced by the router"' in n.log()
+    finally:
+        n.stop()
+
+
+def test_an_engine_that_keeps_hanging_backs_off_and_ends_failed(procs, tiny_model, run_dir):
+    # every new primary hangs (SIGSTOP): the router fences it, and the fence's exit goes through the
+    # restart policy like a crash, so the relaunches back off and the service ends in `failed`
+    n = Node(procs, tiny_model, run_dir, supervisor={"stop_timeout": 1.0, "crash_loop_exits": 3,
+                                                     "crash_loop_window": 120.0, "backoff_initial": 0.2})
+    try:
+        for _ in range(3):
+            primary, standby = wait_until(n.serving_pair, 60, "a ready pair")
+            os.kill(primary["pid"], signal.SIGSTOP)
+            wait_until(lambda: not alive(primary["pid"]), 30, "the hung primary fenced")
+        doc = wait_until(lambda: (d := n.status())["supervisor"]["failed"] and d, 15, "the service failed")
+        assert "exited 3 times" in doc["supervisor"]["failed"]["chat"]
+        res = n.cli("status", "--json")
+        assert res.returncode == 0, res.stderr
+        status = json.loads(res.stdout)
+        assert "failed" in status["services"][0]["state"]
+        assert "exited 3 times" in status["supervisor"]["failed"]["chat"]
+        assert '"new": "backoff"' in n.log()  # the second relaunch waited
+        assert n.log().count('"reason": "fenced by the router"') >= 3
     finally:
         n.stop()
 

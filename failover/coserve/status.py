@@ -6,7 +6,8 @@ import asyncio
 
 from prometheus_client.core import GaugeMetricFamily
 
-from failover.coserve.coserver import DONE, FAILED, PREEMPTED, Coserver
+from failover.coserve.coserver import Coserver
+from failover.coserve.job import PREEMPTED
 
 
 def bar(coserver: Coserver) -> list[str]:
@@ -27,7 +28,7 @@ def bar(coserver: Coserver) -> list[str]:
 async def report(coserver: Coserver, progress, interval: float = 2.0) -> None:
     """In a terminal: the progress bar every ``interval`` s while it changes, until every batch ends."""
     last: list[str] = []
-    while any(j.state not in (DONE, FAILED) for j in coserver.jobs.values()):
+    while any(not j.ended for j in coserver.jobs.values()):
         await asyncio.sleep(interval)
         lines = bar(coserver)
         if lines != last:

@@ -1,23 +1,20 @@
-"""The router as the supervisor runs it: the Launcher it calls, and a status that tells the whole node.
+"""The router as a node runs it: the Launcher it calls, and the node's additions to its admin API.
 
-``NodeLauncher`` is the supervisor's side of ``router.launcher.Launcher``: the router decides, the
-supervisor acts. Each call returns quickly (the router bounds it by ``fence_timeout``); a replacement
-is started in the background and registers itself once ready.
+``NodeLauncher`` is the node's side of ``router.launcher.Launcher``: the router decides, the
+supervisor acts; it is built from the supervisor's methods, one per call. Each call returns quickly
+(the router bounds it by ``fence_timeout``). ``NodeRouter`` adds what only the node knows: the
+status of its slots, daemon and zygote; a drained instance recycled as a fresh standby; a failed
+batch opening its files again before a resume.
 """
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Awaitable, Callable
 
 from failover.config.schema import Config
-from failover.coserve.coserver import DONE, ResumeRefused
 from router.app import Router
 from router.config import RouterConfig
-from router.errors import AdminError
-
-if TYPE_CHECKING:
-    from failover.node.supervisor import Supervisor
 
 
 def router_config(config: Config) -> RouterConfig:
@@ -31,73 +28,43 @@ def router_config(config: Config) -> RouterConfig:
                         shutdown_timeout=sup.drain_timeout)
 
 
+async def _relaunched_on_exit(service: str) -> None:
+    """A node relaunches a failed instance when its process exits (through the restart policy), and
+    every fence ends in an exit: nothing more to do when the router asks for a replacement."""
+
+
+@dataclass(frozen=True, slots=True)
 class NodeLauncher:
-    def __init__(self, supervisor: "Supervisor") -> None:
-        self.supervisor = supervisor
+    """router.launcher.Launcher for a node: each call is one of the supervisor's methods."""
 
-    async def request_standby(self, service: str) -> None:
-        self.supervisor.ensure_service(service)
-
-    async def fence(self, name: str) -> None:
-        await self.supervisor.fence(name)
-
-    def is_batch(self, service: str) -> bool:
-        return self.supervisor.coserve.is_batch(service)
-
-    async def preempt(self, service: str) -> None:
-        await self.supervisor.preempt(service)
-
-    async def resume(self, service: str) -> None:
-        await self.supervisor.resume(service)
+    fence: Callable[[str], Awaitable[None]]
+    is_batch: Callable[[str], bool]
+    preempt: Callable[[str], Awaitable[None]]
+    resume: Callable[[str], Awaitable[None]]
+    request_standby: Callable[[str], Awaitable[None]] = _relaunched_on_exit
 
 
 class NodeRouter(Router):
-    """Router plus the supervisor's view: per-instance uptime and weight source, slots, daemon, zygote."""
+    """Router plus the node's view. ``describe(doc)`` adds the node's status to the router's;
+    ``before_resume(service)`` may answer a resume itself (a failed batch; raises AdminError when
+    refused); ``retire(instance)`` recycles a drained instance, False when it is not the node's."""
 
-    def __init__(self, config: RouterConfig, launcher: NodeLauncher, supervisor: "Supervisor") -> None:
+    def __init__(self, config: RouterConfig, launcher: NodeLauncher, *, describe: Callable[[dict], dict],
+                 before_resume: Callable[[str], Awaitable[dict | None]],
+                 retire: Callable[[str], bool]) -> None:
         super().__init__(config, launcher)
-        self.supervisor = supervisor
+        self._describe, self._before_resume, self._retire = describe, before_resume, retire
 
     def status(self) -> dict:
-        doc = super().status()
-        now = time.monotonic()
-        slots = self.supervisor.slots
-        for svc in doc["services"]:
-            if svc["name"] in self.supervisor.failed:
-                svc["state"] = "failed: " + self.supervisor.failed[svc["name"]]
-            if svc["name"] in self.supervisor.coserve.jobs:
-                svc["batch"] = self.supervisor.coserve.jobs[svc["name"]].progress()
-            for inst in svc["instances"]:
-                slot = slots.get(inst["name"])
-                if slot is not None and slot.pid is not None and slot.launched_at is not None:
-                    inst["uptime_s"] = round(now - slot.launched_at, 1)
-                    inst["weights_source"] = slot.ready_info.get("weights_source")
-        doc["supervisor"] = self.supervisor.status()
-        return doc
+        return self._describe(super().status())
 
     async def resume(self, service: str) -> dict:
-        """A failed batch service first opens its files again: still unusable, the resume is refused
-        (409, with the reason) instead of answering ok and changing nothing."""
-        coserve = self.supervisor.coserve
-        if coserve.is_batch(service):
-            try:
-                coserve.retry(service)
-            except ResumeRefused as e:
-                raise AdminError(409, str(e), "resume_refused") from None
-            if service not in self.services:  # failed before its engine ever registered
-                await self.supervisor.resume(service)
-                return {"service": service, "preempted": False, "message": "relaunching its engine"}
-            job = coserve.jobs[service]
-            if job.state == DONE:
-                return {"service": service, "preempted": False,
-                        "message": f"batch {service} is done ({job.runner.progress.done} results in "
-                                   f"{job.svc.batch.output}); nothing to resume"}
-        return await super().resume(service)
+        answer = await self._before_resume(service)
+        return answer if answer is not None else await super().resume(service)
 
     async def drain(self, instance: str, timeout: float | None = None) -> dict:
         """Drain, then recycle: the drained process is stopped and comes back as a fresh standby."""
         result = await super().drain(instance, timeout)
-        if instance in self.supervisor.slots:
-            self.supervisor.background(self.supervisor.retire(instance), f"retire-{instance}")
+        if self._retire(instance):
             result["relaunch"] = "the drained instance restarts as a fresh standby"
         return result

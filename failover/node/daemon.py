@@ -16,13 +16,21 @@ import time
 from typing import Callable
 
 import structlog
+import tenacity
 
 from failover.procs import child as processes
 from failover.config.schema import Config
 from failover.config.argv import daemon_argv
 from failover.procs.child import Child, ChildFailed
+from failover.procs.restart import Backoff
 
 log = structlog.get_logger(__name__)
+DAEMON_JITTER = 0.2  # daemons of many nodes that died together (shared storage) do not retry in step
+
+
+def _log_failed_restart(state: tenacity.RetryCallState) -> None:
+    log.error("daemon_restart_failed", attempt=state.attempt_number, error=str(state.outcome.exception()),
+              retry_in_s=round(state.next_action.sleep, 3))
 
 
 class CacheDaemon:
@@ -93,23 +101,24 @@ class CacheDaemon:
             self._restart_task = asyncio.ensure_future(self._restart())
 
     async def _restart(self) -> None:
-        """Start it again, with growing delays; a daemon that cannot start is logged on every try."""
+        """Start it again at once, then with growing, jittered delays (restart.Backoff) until it
+        comes up; a daemon that cannot start is logged on every try."""
         sup = self.config.supervisor
-        for attempt in range(1_000_000):
-            delay = 0.0 if attempt == 0 else min(sup.backoff_initial * 2 ** min(attempt, 16), sup.backoff_max)
-            await asyncio.sleep(delay)
-            if self.stopping:
-                return
-            self.restarts += 1
-            try:
-                await self.start()
-            except ChildFailed as e:
-                if self.child is not None and self.child.alive:  # hung while loading: end it first
-                    await self.child.stop(sup.stop_timeout)
-                log.error("daemon_restart_failed", attempt=attempt + 1, error=str(e), retry_in_s=delay)
-                continue
-            log.warning("daemon_restarted", restarts=self.restarts)
-            return
+        retrying = tenacity.AsyncRetrying(
+            wait=Backoff(sup.backoff_initial, sup.backoff_max, jitter=DAEMON_JITTER),
+            retry=tenacity.retry_if_exception_type(ChildFailed), before_sleep=_log_failed_restart)
+        async for attempt in retrying:
+            with attempt:
+                if self.stopping:
+                    return
+                self.restarts += 1
+                try:
+                    await self.start()
+                except ChildFailed:
+                    if self.child is not None and self.child.alive:  # hung while loading: end it first
+                        await self.child.stop(sup.stop_timeout)
+                    raise
+        log.warning("daemon_restarted", restarts=self.restarts)
 
     async def stop(self) -> None:
         self.stopping = True

@@ -2,44 +2,44 @@
 
 It starts the cache daemon and the zygote, launches every configured instance slot, registers the
 ready ones with the in-process router, and from then on reacts: an engine's exit reaches the router
-the instant its pidfd turns readable (``router.instance_exited``), and the slot is relaunched at once,
-mapped from the same resident weights, and registered again as a standby. The router asks for
-fencing, replacements and co-serving evictions through ``failover.node.bridge.NodeLauncher``.
+the instant its pidfd turns readable (``router.instance_exited``), and the slot is relaunched (the one
+relaunch trigger, always through the restart policy), mapped from the same resident weights, and
+registered again as a standby. A hung engine the router fences ends the same way: its exit is a
+failure, counted like a crash, so an engine that keeps hanging backs off and ends in ``failed``. The
+router asks for fencing and operator preemptions through ``failover.node.bridge.NodeLauncher``.
 
-Ownership: the supervisor is a child subreaper; it owns (and reaps) every process of the node. It
-owns the run dir's pid file, the engines' admin token (``engine.token``: only it and the engines it
-starts read it) and, when it generated it, the router's admin token; the daemon owns its socket and
-ready file. ``stop()`` leaves none of them behind.
+Ownership: the supervisor is a child subreaper; it owns (and reaps) every process of the node, and
+the run dir's files (``failover.node.run_dir``). ``stop()`` leaves none of them behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import signal
 import time
-from pathlib import Path
 from typing import Callable
 
 import aiohttp
 import structlog
 
-from cache_daemon import owned
-from failover_common.proc import become_subreaper
-from failover.procs import launch
-from failover.procs import child as processes
-from failover.node import slots
-from failover.node.daemon import CacheDaemon
 from failover.config.schema import Config, ServiceConfig
-from failover.coserve.coserver import Coserver
+from failover.coserve.coserver import Coserver, NodeHooks
+from failover.coserve.job import DONE, ResumeRefused
 from failover.coserve.status import BatchCollector, report
-from failover.config.argv import engine_argv, external_argv
+from failover.procs import slots
 from failover.node.bridge import NodeLauncher, NodeRouter, router_config
+from failover.node.daemon import CacheDaemon
+from failover.node.engines import EngineStarter
+from failover.node.run_dir import RunDir
+from failover.procs.slots import Slot
+from failover.procs import child as processes
+from failover.procs import launch
 from failover.procs.child import Child, ChildFailed
 from failover.procs.restart import CrashLoop, RestartPolicy
-from failover.node.slots import Slot
+from failover_common.proc import become_subreaper
 from router import states
+from router.errors import AdminError
 
 log = structlog.get_logger(__name__)
 
@@ -49,7 +49,6 @@ class Supervisor:
                  progress: Callable[[str], None] | None = None, batch_bar: bool = False) -> None:
         self.config = config
         self.sup = config.supervisor
-        self.child_output = child_output
         self.progress = progress or (lambda text: None)
         self.services: dict[str, ServiceConfig] = {s.name: s for s in config.service}
         self.slots: dict[str, Slot] = {
@@ -57,29 +56,32 @@ class Supervisor:
             for svc in config.service for name, port in zip(svc.slot_names(), svc.ports)}
         self.failed: dict[str, str] = {}  # service -> why it was given up
         self.policy = RestartPolicy(self.sup)
+        self.run_dir = RunDir(config)
         self.daemon = CacheDaemon(config, stdout=child_output, progress=self.progress)
         self.zygote = launch.Zygote(on_exit=self._zygote_exited, stdout=child_output, device=config.model.device)
-        self.router = NodeRouter(router_config(config), NodeLauncher(self), self)
-        self.coserve = Coserver(self)  # batch services: their runners and when they get out of the way
+        self.engines = EngineStarter(config, self.zygote, child_output=child_output, progress=self.progress)
+        launcher = NodeLauncher(fence=self.fence, is_batch=self.is_batch, preempt=self.preempt, resume=self.resume)
+        self.router = NodeRouter(router_config(config), launcher, describe=self._describe,
+                                 before_resume=self._before_resume, retire=self._retire)
+        # batch services: their runners and when they get out of the way
+        self.coserve = Coserver(config, self.slots, NodeHooks(spawn=self.background, fail_service=self.fail_service,
+                                                              release=self.release, progress=self.progress),
+                                self.router)
         self.batch_bar = batch_bar  # a progress bar of the batch services (a terminal)
         if self.coserve.jobs:
             self.router.metrics.registry.register(BatchCollector(self.coserve))
         self.stopping = False
         self.serving = False  # set once the first start() is through: from then on exits are healed
         self.started_at = time.monotonic()
-        self._tasks: dict[str, asyncio.Task] = {}  # slot name -> its launch/replacement task
         self._bg: set[asyncio.Task] = set()
-        self._session: aiohttp.ClientSession | None = None
-        self._made_run_dir = False
-        self._made_token = False
 
     # -- start -----------------------------------------------------------------------------------
     async def start(self) -> None:
         """Daemon and zygote (concurrently), then every slot, then the router. Raises on failure."""
-        self._prepare_run_dir()
+        self.run_dir.prepare()
         become_subreaper()
         asyncio.get_running_loop().add_signal_handler(signal.SIGCHLD, self._reap_orphans)
-        self._session = aiohttp.ClientSession()
+        self.engines.session = aiohttp.ClientSession()
         self.progress(f"starting the cache daemon ({self.config.model.path}) and the zygote")
         await asyncio.gather(self.daemon.start(), self._start_zygote())
         self.coserve.open()  # batch files first: a batch that cannot write its output never starts
@@ -100,22 +102,6 @@ class Supervisor:
             self.background(report(self.coserve, self.progress), "batch-progress")
         self.progress(f"serving on {self.config.router_url} (services: {', '.join(self.services)})")
 
-    def _prepare_run_dir(self) -> None:
-        run = self.config.run_path
-        # mkdir, then checked on the opened fd: a symlink or another user's dir is refused, not chmodded
-        self._made_run_dir = owned.private_dir(run)
-        (run / "supervisor.pid").write_text(f"{os.getpid()}\n")
-        # The default token (RUN_DIR/admin.token) is ours: fresh each run, removed at exit. A token
-        # file named in the config is the operator's: used as is, created (and kept) only if missing.
-        token = self.config.token_path
-        if not self.config.router.admin_token_file or not token.exists():
-            _write_token(token)
-            self._made_token = not self.config.router.admin_token_file
-            log.info("admin_token_written", path=str(token))
-        # A second token, not the router's: the engines' admin endpoints (POST /admin/kv) take only
-        # this one, so neither an engine nor a holder of the operator's token file gets the other's.
-        _write_token(self.config.engine_token_path)
-
     async def _start_zygote(self) -> None:
         if self.sup.launch != "zygote":
             return
@@ -128,90 +114,41 @@ class Supervisor:
         for pid in processes.reap_orphans():
             log.info("orphan_reaped", pid=pid)
 
-    # -- launching -------------------------------------------------------------------------------
     async def _launch(self, slot: Slot, reason: str) -> None:
-        """Start ``slot``'s process and wait for its /ready; raises ChildFailed (process ended)."""
-        svc = self.services[slot.service]
-        slot.change(slots.STARTING, reason, launch=self.sup.launch, attempt=slot.launches + 1)
-        slot.launches += 1
-        slot.ready_at, slot.ready_info = None, {}
-        on_exit = lambda child: self._exited(slot, child)  # noqa: E731
-        try:
-            child = await self._start_process(slot, svc, on_exit)
-        except OSError:
-            slot.change(slots.STOPPED, "launch failed")
-            raise
-        except asyncio.CancelledError:  # preempted or shut down before the process existed
-            slot.change(slots.STOPPED, "launch cancelled")
-            raise
-        slot.child, slot.launched_at = child, time.monotonic()
-        assert self._session is not None
-        try:
-            info = await processes.wait_http_ready(
-                slot.url + svc.ready_path, child, self.sup.ready_timeout, self._session,
-                progress=lambda s: self.progress(f"{slot.name}: waiting for /ready ({s:.0f} s)"))
-        except (ChildFailed, asyncio.CancelledError):
-            if child.alive:  # never became ready (or we gave up on it): end it
-                slot.change(slots.STOPPING, "not ready")
-                await child.stop(self.sup.stop_timeout)
-            raise
-        slot.ready_at, slot.ready_info = time.monotonic(), info
-        slot.change(slots.RUNNING, "ready", pid=child.pid, weights_source=info.get("weights_source"),
-                    ready_ms=round((slot.ready_at - slot.launched_at) * 1e3, 1))
-
-    async def _start_process(self, slot: Slot, svc: ServiceConfig, on_exit) -> Child:
-        if svc.command is not None:
-            child = processes.spawn(slot.name, external_argv(self.config, svc, slot.name, slot.port),
-                                    on_exit=on_exit, stdout=self.child_output)
-        elif self.sup.launch == "zygote" and not self.stopping:
-            try:
-                child = await self.zygote.fork(slot.name, engine_argv(self.config, svc, slot.port), on_exit=on_exit)
-            except launch.ZygoteError as e:
-                log.error("zygote_fork_failed", slot=slot.name, error=str(e), fallback="spawn")
-                child = launch.spawn_cold(slot.name, engine_argv(self.config, svc, slot.port),
-                                          on_exit=on_exit, stdout=self.child_output)
-        else:
-            child = launch.spawn_cold(slot.name, engine_argv(self.config, svc, slot.port),
-                                      on_exit=on_exit, stdout=self.child_output)
-        return child
+        await self.engines.launch(slot, self.services[slot.service], reason,
+                                  on_exit=lambda child: self._exited(slot, child))
 
     def _register(self, slot: Slot, role: str = states.STANDBY) -> None:
         """Tell the router about a ready slot (new, relaunched, or resumed in place)."""
-        svc = self.router.services.get(slot.service)
-        inst = svc.instances.get(slot.name) if svc is not None else None
-        if inst is None or inst.role in (states.RELAUNCHING, states.STOPPED, states.PREEMPTED):
-            self.router.add_instance(slot.service, slot.name, slot.url, role, pid=slot.pid)
-        else:  # the router already holds it as standby/primary (resume): only the pid changed
-            inst.pid = slot.pid
+        self.router.register(slot.service, slot.name, slot.url, role, slot.pid)
 
-    # -- exits and replacements ------------------------------------------------------------------
+    # -- exits and relaunches --------------------------------------------------------------------
     def _exited(self, slot: Slot, child: Child) -> None:
-        """The instant an engine process is gone (pidfd): tell the router, then replace it."""
+        """The instant an engine process is gone (pidfd): tell the router, then maybe relaunch."""
         if child is not slot.child:
             return  # a previous generation of this slot
         slot.evicted_at = child.exited_at
-        planned = slot.state == slots.STOPPING
-        slot.change(slots.STOPPED if planned else slots.EXITED, "process exited", returncode=child.returncode)
-        svc = self.router.services.get(slot.service)
-        if svc is not None and slot.name in svc.instances and not self.stopping:
+        means = slot.exit_means()
+        slot.change(slots.EXITED if means == slots.FAIL else slots.STOPPED, "process exited",
+                    returncode=child.returncode)
+        if self.router.knows(slot.name) and not self.stopping:
             self.router.instance_exited(slot.name, child.returncode)
-        if planned or self.stopping or not self.serving or slot.hold or slot.service in self.failed:
+        if means != slots.HOLD:
+            self._relaunch(slot, failure=means == slots.FAIL)
+
+    def _relaunch(self, slot: Slot, *, failure: bool) -> None:
+        """The one relaunch trigger: the restart policy says how soon (a failure counts toward the
+        crash loop and backs off; a planned restart starts at once), or that the service failed."""
+        if self.stopping or not self.serving or slot.hold or slot.service in self.failed:
             return
         try:
-            delay = self.policy.record_exit(slot.service)
+            delay = self.policy.next_delay(slot.service, failure=failure)
         except CrashLoop as e:
             self.fail_service(slot.service, str(e))
             return
-        if slot.name not in self._tasks:  # a launch in progress handles its own failure
-            self.replace(slot, delay)
-
-    def replace(self, slot: Slot, delay: float = 0.0) -> None:
-        """Start a replacement for ``slot`` (idempotent while one is under way)."""
-        if self.stopping or slot.service in self.failed or slot.name in self._tasks:
-            return
-        task = asyncio.ensure_future(self._replace(slot, delay))
-        self._tasks[slot.name] = task
-        task.add_done_callback(lambda t: self._tasks.pop(slot.name, None))
+        if slot.task is None:  # a launch in progress handles its own failure
+            slot.task = asyncio.ensure_future(self._replace(slot, delay))
+            slot.task.add_done_callback(lambda t: setattr(slot, "task", None) if slot.task is t else None)
 
     async def _replace(self, slot: Slot, delay: float) -> None:
         if delay > 0:
@@ -243,26 +180,21 @@ class Supervisor:
                  weights_source=slot.ready_info.get("weights_source"), launch=self.sup.launch)
         self._register(slot, states.STANDBY)
 
-    def ensure_service(self, service: str) -> None:
-        """Replace every slot of ``service`` that has no process and is not held back."""
-        for slot in self.slots.values():
-            if slot.service == service and not slot.hold and slot.state in (slots.STOPPED, slots.EXITED):
-                self.replace(slot)
-
     def fail_service(self, service: str, why: str) -> None:
         """Give ``service`` up, loudly: its slots are not replaced until an operator resumes it."""
-        if service in self.failed:
+        if self.failed.get(service) == why:
             return
         self.failed[service] = why
         log.error("service_failed", service=service, why=why,
                   hint=f"fix the cause, then `failover resume {service}` (or restart `failover up`)")
         self.progress(f"SERVICE FAILED: {service}: {why}")
         for slot in self.slots.values():
-            if slot.service == service and slot.state in (slots.EXITED, slots.BACKOFF, slots.STOPPED):
+            if slot.service != service:
+                continue
+            if slot.state in slots.GIVE_UP:
                 slot.change(slots.FATAL, "service failed")
-            task = self._tasks.get(slot.name)
-            if slot.service == service and task is not None and task is not asyncio.current_task():
-                task.cancel()
+            if slot.task is not None and slot.task is not asyncio.current_task():
+                slot.task.cancel()
 
     def _zygote_exited(self, child: Child) -> None:
         if self.stopping:
@@ -278,19 +210,14 @@ class Supervisor:
         task.add_done_callback(self._bg.discard)
 
     # -- what the router asks (through NodeLauncher) ---------------------------------------------
-    async def fence(self, name: str) -> None:
-        slot = self.slots.get(name)
-        if slot is None or slot.child is None or not slot.child.alive:
-            return
-        if slot.state in (slots.RUNNING, slots.STARTING):
-            slot.change(slots.STOPPING, "fenced by the router")
-        await slot.child.stop(self.sup.stop_timeout)
+    def is_batch(self, service: str) -> bool:
+        return self.coserve.is_batch(service)
 
-    async def retire(self, name: str) -> None:
-        """After an operator's drain: stop the process and bring the slot back as a fresh standby."""
-        slot = self.slots[name]
-        await self.fence(name)
-        self.replace(slot)
+    async def fence(self, name: str) -> None:
+        """The router's verdict: this engine failed (hung, broken). Its exit relaunches it (counted)."""
+        slot = self.slots.get(name)
+        if slot is not None:
+            await slot.stop("fenced by the router", self.sup.stop_timeout, then=slots.FAIL)
 
     async def preempt(self, service: str) -> None:
         if self.coserve.is_batch(service):  # short deadline, memory verified, timings logged
@@ -301,13 +228,9 @@ class Supervisor:
             if slot.service != service:
                 continue
             slot.hold = True
-            task = self._tasks.get(slot.name)
-            if task is not None:
-                task.cancel()  # its launch moves the slot to STOPPING and stops the process itself
-            if slot.child is not None and slot.child.alive:
-                if slot.state in (slots.RUNNING, slots.STARTING) and task is None:
-                    slot.change(slots.STOPPING, "preempted")
-                stops.append(slot.child.stop(self.sup.stop_timeout))
+            if slot.task is not None:
+                slot.task.cancel()  # a launch under way stops its own process (or never starts one)
+            stops.append(slot.stop("preempted", self.sup.stop_timeout))
         await asyncio.gather(*stops)
 
     async def resume(self, service: str) -> None:
@@ -315,6 +238,11 @@ class Supervisor:
             self.coserve.resumed(service)
             if self.coserve.holds(service):  # done, failed on its files, or preempted again meanwhile
                 return
+        self.release(service)
+
+    def release(self, service: str) -> None:
+        """``service`` may run again (an operator's resume, a batch's load or memory resume): its
+        failure is forgotten, its slots no longer held, and the ones without a process start."""
         if self.failed.pop(service, None) is not None:
             self.policy.forget(service)
             log.warning("service_resumed_after_failure", service=service)
@@ -324,17 +252,62 @@ class Supervisor:
                 if slot.state == slots.FATAL:
                     slot.state = slots.STOPPED  # FATAL -> STOPPED only here: an operator's decision
                     log.info("slot_state", slot=slot.name, old=slots.FATAL, new=slots.STOPPED, reason="resume")
-        self.ensure_service(service)
+                if slot.state in slots.DOWN:
+                    self._relaunch(slot, failure=False)
 
-    # -- status ----------------------------------------------------------------------------------
+    # -- the node's side of its router's admin API (NodeRouter) ----------------------------------
+    def _retire(self, name: str) -> bool:
+        """After an operator's drain: stop the process; its exit brings the slot back as a standby."""
+        slot = self.slots.get(name)
+        if slot is None:
+            return False
+        self.background(slot.stop("drained", self.sup.stop_timeout, then=slots.RECYCLE), f"retire-{name}")
+        return True
+
+    async def _before_resume(self, service: str) -> dict | None:
+        """A failed batch service first opens its files again: still unusable, the resume is refused
+        (409, with the reason) instead of answering ok and changing nothing."""
+        if not self.coserve.is_batch(service):
+            return None
+        try:
+            self.coserve.retry(service)
+        except ResumeRefused as e:
+            raise AdminError(409, str(e), "resume_refused") from None
+        if not self.router.knows_service(service):  # failed before its engine ever registered
+            await self.resume(service)
+            return {"service": service, "preempted": False, "message": "relaunching its engine"}
+        job = self.coserve.jobs[service]
+        if job.state == DONE:
+            return {"service": service, "preempted": False,
+                    "message": f"batch {service} is done ({job.runner.progress.done} results in "
+                               f"{job.svc.batch.output}); nothing to resume"}
+        return None
+
+    def _describe(self, doc: dict) -> dict:
+        """The router's status plus the node's: per-instance uptime and weight source, slots,
+        daemon, zygote, failed services, batch progress."""
+        now = time.monotonic()
+        for svc in doc["services"]:
+            if svc["name"] in self.failed:
+                svc["state"] = "failed: " + self.failed[svc["name"]]
+            if svc["name"] in self.coserve.jobs:
+                svc["batch"] = self.coserve.jobs[svc["name"]].progress()
+            for inst in svc["instances"]:
+                slot = self.slots.get(inst["name"])
+                if slot is not None and slot.pid is not None and slot.launched_at is not None:
+                    inst["uptime_s"] = round(now - slot.launched_at, 1)
+                    inst["weights_source"] = slot.ready_info.get("weights_source")
+        doc["supervisor"] = self.status()
+        return doc
+
     def status(self) -> dict:
-        zyg = self.zygote
+        zyg, daemon = self.zygote, self.daemon
         return {
             "pid": os.getpid(), "uptime_s": round(time.monotonic() - self.started_at, 1),
             "launch": self.sup.launch,
-            "daemon": {"managed": self.daemon.managed, "ready": self.daemon.ready,
-                       "pid": self.daemon.child.pid if self.daemon.child and self.daemon.child.alive else None,
-                       "restarts": self.daemon.restarts, "incidents": self.daemon.incidents[-5:]},
+            "daemon": {"managed": daemon.managed, "ready": daemon.ready,
+                       "pid": daemon.child.pid if daemon.child and daemon.child.alive else None,
+                       "restarts": daemon.restarts, "incidents": daemon.incidents[-5:]},
             "zygote": {"pid": zyg.child.pid if zyg.alive else None, "restarts": max(zyg.restarts, 0)},
             "failed": dict(self.failed),
             "slots": [slot.as_json() for slot in self.slots.values()],
@@ -345,48 +318,24 @@ class Supervisor:
     async def stop(self) -> None:
         """Ordered shutdown; each step bounded by its timeout, nothing left behind."""
         self.stopping = True
+        self.engines.cold = True
         # 1. No more replacements or restarts.
-        for task in [*self._tasks.values(), *self._bg]:
+        tasks = [*(s.task for s in self.slots.values() if s.task is not None), *self._bg]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks.values(), *self._bg, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.coserve.close()  # the batch runners are stopped: their result files
         # 2. The router stops taking requests and lets in-flight ones finish (its shutdown_timeout).
         await self.router.stop()
         # 3. Engines: SIGTERM (they drain), SIGKILL after stop_timeout.
-        for slot in self.slots.values():
-            if slot.child is not None and slot.child.alive and slot.state in (slots.RUNNING, slots.STARTING):
-                slot.change(slots.STOPPING, "shutdown")
-        await asyncio.gather(*(s.child.stop(self.sup.stop_timeout) for s in self.slots.values()
-                               if s.child is not None and s.child.alive))
+        await asyncio.gather(*(s.stop("shutdown", self.sup.stop_timeout) for s in self.slots.values()))
         # 4. The zygote (EOF on its socket), then the daemon (it removes its socket and ready file).
         await self.zygote.stop(self.sup.stop_timeout)
         await self.daemon.stop()
-        if self._session is not None:
-            await self._session.close()
+        if self.engines.session is not None:
+            await self.engines.session.close()
         asyncio.get_running_loop().remove_signal_handler(signal.SIGCHLD)
         self._reap_orphans()
-        self._clean_run_dir()
-        log.info("supervisor_stopped")
-
-    def _clean_run_dir(self) -> None:
-        run = self.config.run_path
-        (run / "supervisor.pid").unlink(missing_ok=True)
-        self.config.engine_token_path.unlink(missing_ok=True)
-        if self._made_token:
-            self.config.token_path.unlink(missing_ok=True)
         # A managed node owns its run dir (also one a crashed run left); an external daemon lives there.
-        if self._made_run_dir or self.daemon.managed:
-            try:
-                run.rmdir()
-            except OSError as e:  # not empty: someone else's files; say which
-                left = sorted(p.name for p in Path(run).iterdir()) if run.exists() else []
-                log.warning("run_dir_not_removed", run_dir=str(run), error=str(e), left=left)
-
-
-def _write_token(path: Path) -> None:
-    """A fresh random token in ``path``, created 0600 (never a file that was there before)."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
+        self.run_dir.clean(owns_dir=self.daemon.managed)
+        log.info("supervisor_stopped")

@@ -14,11 +14,16 @@ the slot keeps the process state:
     EXITED | BACKOFF -> STOPPED       not to be replaced (preempted, shutting down)
     *        -> FATAL                 crash loop or no replacement could start: the service failed
 
-Every change goes through :meth:`Slot.change`, which asserts the table and logs one event.
+Every change goes through :meth:`Slot.change`, which asserts the table and logs one event. Whoever
+ends a slot's process does it through :meth:`Slot.stop` (STOPPING, then TERM-then-KILL), saying what
+the exit means: HOLD (planned: preempt, shutdown, a finished batch), RECYCLE (planned, and the slot
+comes back: an operator's drain) or FAIL (the router's verdict on a hung or broken engine: counted by
+the restart policy like a crash).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +40,14 @@ STOPPING = "stopping"
 EXITED = "exited"
 BACKOFF = "backoff"
 FATAL = "fatal"
+
+# State groups, named once.
+LIVE = frozenset({STARTING, RUNNING})  # a process of ours is (or is becoming) the slot's engine
+DOWN = frozenset({STOPPED, EXITED})  # no process and none on its way: may be started
+GIVE_UP = frozenset({EXITED, BACKOFF, STOPPED})  # a failed service's slots in these become FATAL
+
+# What the exit of a stopped process means (see Slot.stop).
+HOLD, RECYCLE, FAIL = "hold", "recycle", "fail"
 
 ALLOWED: dict[str, frozenset[str]] = {
     STOPPED: frozenset({STARTING, FATAL}),
@@ -61,6 +74,8 @@ class Slot:
     evicted_at: float | None = None  # monotonic: when its last process was seen gone
     last_relaunch_s: float | None = None  # eviction -> replacement ready, seconds
     hold: bool = False  # preempted or drained by an operator: do not replace
+    task: asyncio.Task | None = None  # its launch or replacement under way (the supervisor's)
+    then: str = HOLD  # what the exit of the process being stopped means (HOLD, RECYCLE, FAIL)
 
     @property
     def url(self) -> str:
@@ -75,6 +90,24 @@ class Slot:
         assert new in ALLOWED[old], f"slot {self.name}: {old} -> {new} is not allowed"
         self.state = new
         log.info("slot_state", slot=self.name, service=self.service, old=old, new=new, reason=reason, **fields)
+
+    def exit_means(self) -> str:
+        """What the exit of the slot's process just seen means: a stop's HOLD/RECYCLE/FAIL, or FAIL
+        for a process that went without being asked (a crash)."""
+        return self.then if self.state == STOPPING else FAIL
+
+    async def stop(self, reason: str, timeout: float, *, then: str = HOLD, **fields: object) -> int | None:
+        """End the slot's process: STOPPING (when it is live), then SIGTERM and SIGKILL after
+        ``timeout``. ``then`` says what its exit means; returns the exit code (None: no process)."""
+        child = self.child
+        if child is None or not child.alive:
+            return None if child is None else child.returncode
+        if self.state in LIVE:
+            self.change(STOPPING, reason, **fields)
+            self.then = then
+        elif then == FAIL:  # a verdict on a process already on its way out: still a failure
+            self.then = then
+        return await child.stop(timeout)
 
     def as_json(self) -> dict:
         now = time.monotonic()

@@ -1,0 +1,75 @@
+"""Starting one slot's engine: a fork of the zygote (fast), a cold spawn (fallback), or a service's own
+command (an external engine), then waiting for its /ready.
+
+The slot's state moves STOPPED|EXITED -> STARTING -> RUNNING here; a process that never becomes ready
+is stopped again before the error goes up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+import aiohttp
+import structlog
+
+from failover.config.argv import engine_argv, external_argv
+from failover.config.schema import Config, ServiceConfig
+from failover.procs import slots
+from failover.procs.slots import Slot
+from failover.procs import child as processes
+from failover.procs import launch
+from failover.procs.child import Child, ChildFailed
+
+log = structlog.get_logger(__name__)
+
+
+class EngineStarter:
+    """Starts engines for the supervisor: it owns no process (each Child is the slot's)."""
+
+    def __init__(self, config: Config, zygote: launch.Zygote, *, child_output=None,
+                 progress: Callable[[str], None]) -> None:
+        self.config, self.sup, self.zygote = config, config.supervisor, zygote
+        self.child_output, self.progress = child_output, progress
+        self.session: aiohttp.ClientSession | None = None  # opened by the supervisor's start()
+        self.cold = False  # set at shutdown: no more forks from the zygote
+
+    async def launch(self, slot: Slot, svc: ServiceConfig, reason: str,
+                     on_exit: Callable[[Child], None]) -> None:
+        """Start ``slot``'s process and wait for its /ready; raises ChildFailed (process ended)."""
+        slot.change(slots.STARTING, reason, launch=self.sup.launch, attempt=slot.launches + 1)
+        slot.launches += 1
+        slot.ready_at, slot.ready_info = None, {}
+        try:
+            child = await self._start_process(slot, svc, on_exit)
+        except OSError:
+            slot.change(slots.STOPPED, "launch failed")
+            raise
+        except asyncio.CancelledError:  # preempted or shut down before the process existed
+            slot.change(slots.STOPPED, "launch cancelled")
+            raise
+        slot.child, slot.launched_at = child, time.monotonic()
+        assert self.session is not None
+        try:
+            info = await processes.wait_http_ready(
+                slot.url + svc.ready_path, child, self.sup.ready_timeout, self.session,
+                progress=lambda s: self.progress(f"{slot.name}: waiting for /ready ({s:.0f} s)"))
+        except (ChildFailed, asyncio.CancelledError):
+            await slot.stop("not ready", self.sup.stop_timeout)  # never became ready, or we gave up on it
+            raise
+        slot.ready_at, slot.ready_info = time.monotonic(), info
+        slot.change(slots.RUNNING, "ready", pid=child.pid, weights_source=info.get("weights_source"),
+                    ready_ms=round((slot.ready_at - slot.launched_at) * 1e3, 1))
+
+    async def _start_process(self, slot: Slot, svc: ServiceConfig, on_exit) -> Child:
+        if svc.command is not None:
+            return processes.spawn(slot.name, external_argv(self.config, svc, slot.name, slot.port),
+                                   on_exit=on_exit, stdout=self.child_output)
+        argv = engine_argv(self.config, svc, slot.port)
+        if self.sup.launch == "zygote" and not self.cold:
+            try:
+                return await self.zygote.fork(slot.name, argv, on_exit=on_exit)
+            except launch.ZygoteError as e:
+                log.error("zygote_fork_failed", slot=slot.name, error=str(e), fallback="spawn")
+        return launch.spawn_cold(slot.name, argv, on_exit=on_exit, stdout=self.child_output)
