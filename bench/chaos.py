@@ -60,7 +60,7 @@ class Options:
 
 def batch_supported() -> bool:
     """Does the supervisor run ``kind = "batch"`` services yet (issue 6)? Its source tells."""
-    text = (REPO / "failover" / "supervisor.py").read_text()
+    text = (REPO / "failover" / "node" / "supervisor.py").read_text()
     return any(name in text for name in ("Coserver", "batch_runner", "BatchRunner"))
 
 

@@ -23,17 +23,21 @@ def encode_frame(msg) -> bytes:
         raise ProtocolError(str(e), e.code) from None
 
 
+def _decoded(body, fds: list[int]):
+    try:
+        return protocol.decode(body), fds
+    except BaseException:
+        close_fds(fds)
+        raise
+
+
 def recv_frame(sock: socket.socket, *, max_fds: int = 0, max_size: int = protocol.MAX_FRAME):
     """Read one message: ``(message, fds)``. The caller owns the returned fds."""
     try:
         body, fds = frames.recv(sock, max_size=max_size, max_fds=max_fds)
     except FrameError as e:
         raise ProtocolError(str(e), e.code) from None
-    try:
-        return protocol.decode(body), fds
-    except BaseException:
-        close_fds(fds)
-        raise
+    return _decoded(body, fds)
 
 
 def send_frame(sock: socket.socket, msg, fds=()) -> None:
@@ -47,11 +51,7 @@ async def async_recv_frame(sock: socket.socket, *, max_fds: int = 0, max_size: i
         body, fds = await frames.async_recv(sock, max_size=max_size, max_fds=max_fds, budget=budget)
     except FrameError as e:
         raise ProtocolError(str(e), e.code) from None
-    try:
-        return protocol.decode(body), fds
-    except BaseException:
-        close_fds(fds)
-        raise
+    return _decoded(body, fds)
 
 
 async def async_send_frame(sock: socket.socket, msg, fds=()) -> None:

@@ -1,2 +1,2 @@
-"""One node: the supervisor, its instance slots, its run dir, the cache daemon's handle and the bridge
-to the in-process router."""
+"""One node: the supervisor, the start of one slot's engine, the cache daemon's handle, the run dir and
+the bridge to the in-process router."""

@@ -1,2 +1,3 @@
-"""Child processes: named, watched through a pidfd, ended TERM-then-KILL; the zygote and its handle;
-the restart policy; GPU facts from nvidia-smi (never a CUDA context)."""
+"""Processes and their lifecycles: child processes (named, watched through a pidfd, ended
+TERM-then-KILL), the zygote and its handle, instance slots, the restart policy and its backoff, and
+memory facts from /proc and nvidia-smi (never a CUDA context)."""
