@@ -19,9 +19,10 @@ class Launcher(Protocol):
     async def request_standby(self, service: str) -> None:
         """A standby of ``service`` was used up (promoted, or it died): start a replacement.
 
-        The launcher registers it when it is ready with ``Router.add_instance(service, name, url,
+        The launcher registers it when it is ready with ``Router.register(service, name, url,
         "standby", pid)``, under a new name or under the failed instance's name (which is then
-        re-registered: its role goes relaunching -> standby).
+        re-registered: its role goes relaunching -> standby). A launcher that relaunches on the
+        fenced process's exit anyway (the node's, through its restart policy) does nothing here.
         """
 
     async def fence(self, name: str) -> None:

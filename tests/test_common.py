@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -103,8 +102,7 @@ time.sleep(60)
 
 
 def test_a_child_armed_with_die_with_parent_goes_with_its_parent():
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
     try:
         child = int(parent.stdout.readline())
         parent.kill()
