@@ -157,6 +157,7 @@ class AsyncEngine:
             result, error = self.engine.resize_kv(budget), None
         except RuntimeError as e:  # out of memory: the pool stays as it was
             result, error = None, e
+        self._report()  # metrics show the new pool by the time the caller hears back
         self._loop.call_soon_threadsafe(_settle, done, result, error)
 
     # --- event loop ----------------------------------------------------------------------------
