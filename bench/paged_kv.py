@@ -145,10 +145,10 @@ def main(argv=None) -> int:
         print(f"decode tokens/s, median of {args.runs} processes (contiguous = {args.baseline})")
         for key in figures["paged"][0]:
             n, b = key.split("/")
-            old = statistics.median(r[key] for r in figures["contiguous"])
-            new = statistics.median(r[key] for r in figures["paged"])
+            old, new = (statistics.median(r[key] for r in figures[v]) for v in ("contiguous", "paged"))
+            spread = "  ".join(f"{v} " + "/".join(f"{r[key]:.1f}" for r in figures[v]) for v in figures)
             print(f"  context {n:>4}, batch {b:>3}: contiguous {old:9.1f}   paged {new:9.1f}   "
-                  f"paged/contiguous {new / old:.2f}x")
+                  f"paged/contiguous {new / old:.2f}x   (each run: {spread})")
     finally:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(baseline)],
                        capture_output=True)

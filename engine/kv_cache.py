@@ -1,7 +1,8 @@
 """The paged KV pool: fixed-size blocks of positions, held in a list of chunk tensors.
 
 Layout (per rank): chunk ``c`` is one tensor [2 (k, v), layers, blocks_c, block_size, kv_heads_local,
-head_dim]; block ids are global, chunk ``c`` holding ids ``starts[c] .. starts[c] + blocks_c - 1``.
+head_dim]; block ids are global, chunk ``c`` holding ids ``starts[c] .. starts[c] + blocks_c - 1``,
+and a slot is one position of one block, ``block * block_size + offset``.
 Which sequence holds which block is the block manager's business (``engine.block_manager``); the
 pool only stores K/V where a step's block tables say.
 

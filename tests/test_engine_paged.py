@@ -15,7 +15,8 @@ from engine.model_runner import StepPlan
 from engine_helpers import build_llm_engine, build_runner, hf_logits, make_seq, run_engine
 
 ATOL = 1e-4
-PROMPTS = [[5, 17, 42, 99, 3], [3, 250, 7, 11, 300, 64, 128, 9, 1, 2, 77, 31], [9], [200, 201, 202, 203, 204, 205, 206, 207, 208]]
+PROMPTS = [[5, 17, 42, 99, 3], [3, 250, 7, 11, 300, 64, 128, 9, 1, 2, 77, 31], [9],
+           [200, 201, 202, 203, 204, 205, 206, 207, 208]]
 BLOCK = 4
 MAX_LEN = 64  # 16 blocks of 4: the smallest pool holds one such context
 BLOCK_BYTES = 2 * 2 * 2 * BLOCK * 16 * 4  # k+v, 2 layers, 2 kv heads, 4 positions, 16 dims, fp32
