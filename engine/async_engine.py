@@ -4,7 +4,7 @@ The step loop runs in its own thread (the model's matmuls release the GIL) so th
 answering /health, /metrics and new connections during a long step. Requests go in through a
 thread-safe inbox; each step's outputs come back to per-request asyncio queues via
 ``call_soon_threadsafe``. A request whose consumer went away (client disconnect, cancellation) is
-aborted, which frees its KV slot at the next step.
+aborted, which frees its KV blocks at the next step.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 
 import structlog
 
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import KVUsage, LLMEngine, RequestOutput
 from engine.model_runner import StepPlan
 from engine.scheduler import Sequence
 
@@ -32,7 +32,7 @@ class AsyncEngine:
     """``build`` runs first on the engine thread (load weights, allocate KV, warm up), so every
     torch call of this rank, collectives included, happens on that one thread."""
 
-    def __init__(self, build: Callable[[], LLMEngine], on_step: Callable[[int, int], None] | None = None,
+    def __init__(self, build: Callable[[], LLMEngine], on_step: Callable[[int, int, KVUsage], None] | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self._build = build
         self.engine: LLMEngine | None = None
@@ -45,6 +45,7 @@ class AsyncEngine:
         self._stopping = False
         self._on_step, self._on_fatal = on_step, on_fatal
         self.error: BaseException | None = None
+        self.kv_usage: KVUsage | None = None  # the engine thread's latest snapshot, for the probes
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -90,12 +91,12 @@ class AsyncEngine:
                 self._inbox.put(("abort", seq.id))
                 self._wake.set()
 
-    async def grow_kv(self, budget: int, max_batch: int) -> int:
-        """Grow the KV pool between two steps (see ``LLMEngine.grow_kv``); returns the slot count."""
+    async def resize_kv(self, budget: int) -> KVUsage:
+        """Resize the KV pool between two steps (see ``LLMEngine.resize_kv``); returns what it reached."""
         if self.error is not None:
             raise EngineDead(str(self.error))
         done = self._loop.create_future()
-        self._inbox.put(("grow", (budget, max_batch, done)))
+        self._inbox.put(("resize", (budget, done)))
         self._wake.set()
         return await done
 
@@ -106,6 +107,7 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - handed to the event loop, which reports and exits
             self._loop.call_soon_threadsafe(_settle, self._ready, None, e)
             return
+        self._report()  # the pool's figures are there before the first request
         self._loop.call_soon_threadsafe(_settle, self._ready, self.engine, None)
         try:
             while not self._stopping:
@@ -129,9 +131,10 @@ class AsyncEngine:
             log.warning("tp_stop_failed", error=str(e))
 
     def _report(self) -> None:
+        self.kv_usage = self.engine.kv_usage()
         if self._on_step is not None:
             s = self.engine.scheduler
-            self._on_step(len(s.running), len(s.waiting))
+            self._on_step(len(s.running), len(s.waiting), self.kv_usage)
 
     def _drain_inbox(self) -> bool:
         """Apply queued adds and aborts; True if there were any."""
@@ -147,13 +150,14 @@ class AsyncEngine:
             elif op == "abort":
                 self.engine.abort(arg)
             else:
-                self._grow(*arg)
+                self._resize(*arg)
 
-    def _grow(self, budget: int, max_batch: int, done: asyncio.Future) -> None:
+    def _resize(self, budget: int, done: asyncio.Future) -> None:
         try:
-            result, error = self.engine.grow_kv(budget, max_batch), None
+            result, error = self.engine.resize_kv(budget), None
         except RuntimeError as e:  # out of memory: the pool stays as it was
             result, error = None, e
+        self._report()  # metrics show the new pool by the time the caller hears back
         self._loop.call_soon_threadsafe(_settle, done, result, error)
 
     # --- event loop ----------------------------------------------------------------------------

@@ -131,6 +131,7 @@ class EngineConfig:
     dtype: str = "float32"
     transform: str = "none"
     kv_memory: int = 256 << 20
+    kv_block_size: int = 16  # positions per KV block
     max_batch: int = 16
     max_model_len: int | None = None
     served_model_name: str = ""
@@ -148,6 +149,7 @@ class EngineConfig:
             (self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}"),
             (self.transform in TRANSFORMS, f"--transform must be one of {', '.join(TRANSFORMS)}"),
             (self.kv_memory > 0, "--kv-memory must be positive"),
+            (self.kv_block_size >= 1, "--kv-block-size must be at least 1"),
             (self.max_batch >= 1, "--max-batch must be at least 1"),
             (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be at least 2"),
             (self.drain_timeout >= 0, "--drain-timeout must not be negative"),

@@ -1,97 +1,210 @@
-"""The KV cache: one contiguous region per slot (sequence), sized from a memory budget.
+"""The paged KV pool: fixed-size blocks of positions, held in a list of chunk tensors.
 
-Layout (per rank): ``k`` and ``v`` of shape [layers, slots, kv_heads_local, max_len, head_dim].
-Per-slot contiguous rather than paged: a sequence owns a whole slot of ``max_len`` positions from
-admission to finish, so the number of concurrent sequences is ``budget // bytes_per_slot`` (capped by
-``--max-batch``). Simple and exact; the price is that a short sequence reserves a full context.
+Layout (per rank): chunk ``c`` is one tensor [2 (k, v), layers, blocks_c, block_size, kv_heads_local,
+head_dim]; block ids are global, chunk ``c`` holding ids ``starts[c] .. starts[c] + blocks_c - 1``,
+and a slot is one position of one block, ``block * block_size + offset``.
+Which sequence holds which block is the block manager's business (``engine.block_manager``); the
+pool only stores K/V where a step's block tables say.
+
+Why chunks: growing appends chunks and shrinking drops free chunks at the tail, so neither copies a
+block that is in use (a standby takes over a dead primary's memory with its sequences running, and
+gives memory back to a batch engine later). Each allocation is split into ``CHUNKS_PER_ALLOCATION``
+chunks so that a shrink can release part of it; the cost of a chunk is one more gather per layer in a
+step that touches it.
+
+Attention: prefill attends to its own fresh K/V (there is no prefix reuse) and only writes the
+cache; decode gathers each row's blocks into contiguous K/V and runs torch SDPA on them.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
+import structlog
 import torch
 import torch.nn.functional as F
+
+log = structlog.get_logger(__name__)
+DEFAULT_BLOCK_SIZE = 16
+CHUNKS_PER_ALLOCATION = 4
+# (chunk, rows of the step's flat index list or None for all rows in order, ids inside the chunk)
+Part = tuple[int, torch.Tensor | None, torch.Tensor]
 
 
 class KVBudgetError(ValueError):
     """The KV memory budget cannot hold one sequence of the served context length."""
 
 
-def bytes_per_slot(layers: int, kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype) -> int:
-    return 2 * layers * kv_heads * max_len * head_dim * torch.empty((), dtype=dtype).element_size()
+def bytes_per_block(layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * layers * kv_heads * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass
 class AttentionBatch:
-    """Where this forward's tokens live in the cache.
+    """Where this forward's tokens live in the pool; built by ``KVPool.prefill_batch`` /
+    ``decode_batch`` once per step and read by every layer.
 
-    prefill: one sequence per row, tokens at positions 0..T-1 (shorter rows padded on the right).
-    decode: one token per row at ``positions[:, 0]``.
+    prefill: one sequence per row, tokens at positions 0..T-1 (shorter rows padded on the right; the
+    pad is never written). decode: one token per row at ``positions[:, 0]``.
     """
 
-    slots: torch.Tensor  # [B] long
     positions: torch.Tensor  # [B, T] long
     prefill: bool
+    writes: tuple[Part, ...]  # the step's real tokens (rows of the flat [B*T] list) -> slots
+    reads: tuple[Part, ...] = ()  # decode: entries of the flat [B, table_blocks] tables -> blocks
+    table_blocks: int = 0  # decode: blocks per row in the gathered K/V
     context_len: int = 0  # decode: longest context in the batch after this step
     mask: torch.Tensor | None = None  # decode: [B, 1, 1, context_len] bool, True where attended
-    slot_range: tuple[int, int] | None = None  # decode: slots are exactly range(a, b) -> no gather
 
 
-class KVCache:
-    def __init__(self, layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device) -> None:
-        shape = (layers, slots, kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_slots = slots
-        self.max_len = max_len
-        self.bytes_per_slot = self.nbytes // slots
+class KVPool:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                 device, *, min_blocks: int, max_blocks: int) -> None:
+        self.layers, self.kv_heads, self.head_dim, self.block_size = layers, kv_heads, head_dim, block_size
+        self.dtype, self.device = dtype, torch.device(device)
+        self.bytes_per_block = bytes_per_block(layers, kv_heads, head_dim, block_size, dtype)
+        self.min_blocks, self.max_blocks = min_blocks, max_blocks  # one full context .. max_batch of them
+        self.chunks: list[torch.Tensor] = []
+        self.starts: list[int] = []
 
     @classmethod
-    def from_budget(cls, budget: int, max_batch: int, layers: int, kv_heads: int, max_len: int,
-                    head_dim: int, dtype: torch.dtype, device) -> KVCache:
-        per_slot = bytes_per_slot(layers, kv_heads, head_dim, max_len, dtype)
-        slots = min(max_batch, budget // per_slot)
-        if slots < 1:
+    def from_budget(cls, budget: int, *, max_batch: int, max_len: int, block_size: int, layers: int,
+                    kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> KVPool:
+        """A pool of ``budget`` bytes (per rank), at least one sequence of ``max_len`` tokens (so the
+        oldest sequence can always finish), at most ``max_batch`` of them (more could never be used)."""
+        per_seq = -(-max_len // block_size)
+        pool = cls(layers, kv_heads, head_dim, block_size, dtype, device, min_blocks=per_seq,
+                   max_blocks=max_batch * per_seq)
+        blocks = min(pool.max_blocks, budget // pool.bytes_per_block)
+        if blocks < per_seq:
             raise KVBudgetError(f"--kv-memory {budget} bytes holds no sequence of {max_len} tokens "
-                                f"(one needs {per_slot} bytes per rank); raise --kv-memory or lower "
-                                f"--max-model-len")
-        return cls(layers, slots, kv_heads, max_len, head_dim, dtype, device)
+                                f"(one needs {per_seq * pool.bytes_per_block} bytes per rank); raise "
+                                f"--kv-memory or lower --max-model-len")
+        pool.resize(_split(blocks))
+        return pool
 
-    def grow(self, slots: int) -> None:
-        """More slots, existing ones kept in place (a standby taking over the memory a dead primary
-        released). Peak memory is old + new pool while the running slots are copied over."""
-        assert slots > self.num_slots
-        # allocate both first: an out-of-memory error leaves the pool as it was
-        new_k, new_v = (torch.zeros((t.shape[0], slots, *t.shape[2:]), dtype=t.dtype, device=t.device)
-                        for t in (self.k, self.v))
-        new_k[:, :self.num_slots] = self.k
-        new_v[:, :self.num_slots] = self.v
-        self.k, self.v = new_k, new_v
-        self.num_slots = slots
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.chunk_blocks)
+
+    @property
+    def chunk_blocks(self) -> tuple[int, ...]:
+        return tuple(c.shape[2] for c in self.chunks)
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.num_blocks * self.bytes_per_block
 
+    # --- grow and shrink -----------------------------------------------------------------------
+    def plan_resize(self, budget: int, free_tail: int) -> tuple[int, ...]:
+        """The chunk sizes that bring the pool as close to ``budget`` bytes as it may go, given that
+        the top ``free_tail`` blocks are free: grow by new chunks; shrink by dropping tail chunks that
+        are wholly free, the last one dropped replaced by a smaller one if that overshoots."""
+        target = max(self.min_blocks, min(self.max_blocks, budget // self.bytes_per_block))
+        chunks, total = list(self.chunk_blocks), self.num_blocks
+        if target > total:
+            return (*chunks, *_split(target - total))
+        keep = max(target, total - free_tail)  # below this a used block would go
+        while chunks and total > keep and total - chunks[-1] >= total - free_tail:
+            total -= chunks.pop()
+        if total < keep:
+            chunks.append(keep - total)
+        return tuple(chunks)
+
+    def resize(self, chunks: tuple[int, ...]) -> None:
+        """Make the chunk list ``chunks`` (from ``plan_resize``; every rank applies the same one):
+        chunks that stay are kept in place, the others dropped, new ones appended zeroed (garbage in a
+        block would reach attention through a masked NaN). A grow drops nothing and allocates before
+        appending, so an out-of-memory error leaves the pool as it was; a shrink frees before it
+        allocates its (smaller) replacement chunk, so it never needs more memory than it had."""
+        keep = 0
+        while keep < min(len(chunks), len(self.chunks)) and chunks[keep] == self.chunks[keep].shape[2]:
+            keep += 1
+        dropped = len(self.chunks) > keep
+        del self.chunks[keep:], self.starts[keep:]
+        if dropped and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the memory back to the driver, not just to torch's cache
+        shape = (2, self.layers, 0, self.block_size, self.kv_heads, self.head_dim)
+        new = [torch.zeros(shape[:2] + (n,) + shape[3:], dtype=self.dtype, device=self.device)
+               for n in chunks[keep:]]
+        for chunk in new:
+            self.starts.append(self.num_blocks)
+            self.chunks.append(chunk)
+
+    # --- a step's index ------------------------------------------------------------------------
+    def prefill_batch(self, tables: tuple[tuple[int, ...], ...], lens: list[int]) -> AttentionBatch:
+        longest, bs = max(lens), self.block_size
+        positions = torch.arange(longest, device=self.device).unsqueeze(0).expand(len(lens), -1)
+        slots = [table[p // bs] * bs + p % bs for table, n in zip(tables, lens) for p in range(n)]
+        rows = None if min(lens) == longest else [r * longest + p for r, n in enumerate(lens) for p in range(n)]
+        return AttentionBatch(positions, True, self._by_chunk(slots, rows, bs))
+
+    def decode_batch(self, tables: tuple[tuple[int, ...], ...], positions: tuple[int, ...]) -> AttentionBatch:
+        bs, dev = self.block_size, self.device
+        n = max(positions) + 1
+        width = -(-n // bs)
+        # pad short tables with their own first block: any real block will do (it is masked), and
+        # staying in the row's chunk keeps the gather to as few chunks as possible
+        flat = [b for t in tables for b in (*t[:width], *(t[0],) * (width - len(t[:width])))]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        mask = None
+        if min(positions) + 1 != n:  # ragged contexts: mask each row's tail
+            mask = (torch.arange(n, device=dev) < (pos + 1).unsqueeze(1)).view(len(positions), 1, 1, n)
+        return AttentionBatch(pos.unsqueeze(1), False, self._by_chunk(slots, None, bs),
+                              self._by_chunk(flat, None, 1), width, n, mask)
+
+    def _by_chunk(self, ids: list[int], rows: list[int] | None, unit: int) -> tuple[Part, ...]:
+        """Split global ``ids`` (blocks for unit 1, slots for unit block_size) by chunk."""
+        def t(xs):
+            return None if xs is None else torch.tensor(xs, dtype=torch.long, device=self.device)
+
+        if len(self.chunks) == 1:
+            return ((0, t(rows), t(ids)),)
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        for n, i in enumerate(ids):
+            c = bisect.bisect_right(self.starts, i // unit) - 1
+            where, local = groups.setdefault(c, ([], []))
+            where.append(n if rows is None else rows[n])
+            local.append(i - self.starts[c] * unit)
+        if len(groups) == 1 and rows is None:
+            (c, (_, local)), = groups.items()
+            return ((c, None, t(local)),)
+        return tuple((c, t(where), t(local)) for c, (where, local) in groups.items())
+
+    # --- attention -----------------------------------------------------------------------------
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                batch: AttentionBatch) -> torch.Tensor:
         """Store this step's k/v and attend. q [B, H, T, D], k/v [B, Hkv, T, D] -> [B, H, T, D]."""
-        kc, vc = self.k[layer], self.v[layer]
+        b, hkv, t, d = k.shape
+        for which, new in ((0, k), (1, v)):
+            tokens = new.transpose(1, 2).reshape(b * t, hkv, d)  # [B*T, Hkv, D]
+            for c, rows, local in batch.writes:
+                dst = self.chunks[c][which, layer].view(-1, hkv, d)
+                dst.index_copy_(0, local, tokens if rows is None else tokens.index_select(0, rows))
         if batch.prefill:
-            t = q.shape[2]
-            kc[batch.slots, :, :t] = k
-            vc[batch.slots, :, :t] = v
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        pos = batch.positions[:, 0]
-        kc[batch.slots, :, pos] = k[:, :, 0]
-        vc[batch.slots, :, pos] = v[:, :, 0]
-        n = batch.context_len
-        if batch.slot_range is not None:
-            a, b = batch.slot_range
-            keys, values = kc[a:b, :, :n], vc[a:b, :, :n]
-        else:
-            keys = kc[:, :, :n].index_select(0, batch.slots)
-            values = vc[:, :, :n].index_select(0, batch.slots)
+        keys, values = (self._gather(which, layer, batch) for which in (0, 1))
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+
+    def _gather(self, which: int, layer: int, batch: AttentionBatch) -> torch.Tensor:
+        """Each row's blocks as contiguous positions: [B, Hkv, context_len, D]."""
+        parts = batch.reads
+        if len(parts) == 1 and parts[0][1] is None:
+            c, _, local = parts[0]
+            blocks = self.chunks[c][which, layer].index_select(0, local)
+        else:
+            count = sum(len(local) for _, _, local in parts)
+            blocks = torch.empty((count, self.block_size, self.kv_heads, self.head_dim), dtype=self.dtype,
+                                 device=self.device)
+            for c, rows, local in parts:
+                blocks.index_copy_(0, rows, self.chunks[c][which, layer].index_select(0, local))
+        seqs = blocks.shape[0] // batch.table_blocks
+        flat = blocks.view(seqs, batch.table_blocks * self.block_size, self.kv_heads, self.head_dim)
+        return flat[:, :batch.context_len].transpose(1, 2)
+
+
+def _split(blocks: int, parts: int = CHUNKS_PER_ALLOCATION) -> tuple[int, ...]:
+    q, r = divmod(blocks, parts)
+    return tuple(n for n in [q + 1] * r + [q] * (parts - r) if n)

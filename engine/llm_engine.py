@@ -1,4 +1,5 @@
-"""One engine step: admit and prefill new sequences, then one batched decode step for the rest.
+"""One engine step: schedule (blocks for the running, then admission), prefill the admitted
+sequences, one batched decode step for the rest.
 
 ``LLMEngine`` is single-threaded (the engine thread owns it); ``engine.async_engine`` feeds it from
 the event loop and carries its outputs back.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalText
 from engine.model_runner import ModelRunner, StepPlan
 from engine.sampling import Draw, sample
@@ -29,12 +31,30 @@ class RequestOutput:
     new_tokens: int  # tokens generated this step (held-back ids appear later in token_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class KVUsage:
+    """The pool as the scheduler sees it (per rank): what ``/ready``, ``/admin/kv`` and ``/metrics``
+    report."""
+
+    bytes: int
+    blocks_total: int
+    blocks_used: int
+    block_size: int
+    preemptions: int
+
+    def fields(self) -> dict:
+        return {"kv_bytes": self.bytes, "kv_blocks_total": self.blocks_total, "kv_blocks_used": self.blocks_used,
+                "kv_block_size": self.block_size, "kv_preemptions": self.preemptions}
+
+
 class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, eos_ids: tuple[int, ...],
                  prefill_tokens: int = 4096) -> None:
         self.runner, self.tokenizer = runner, tokenizer
         self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (bounds activations)
-        self.scheduler = Scheduler(runner.kv.num_slots, runner.max_len, eos_ids)
+        kv = runner.kv
+        self.scheduler = Scheduler(BlockManager(kv.num_blocks, kv.block_size), runner.cfg.max_batch,
+                                   runner.max_len, eos_ids)
         self.texts: dict[str, IncrementalText] = {}
 
     @property
@@ -54,15 +74,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = []
-        admitted = self.scheduler.admit()
-        for group in _prefill_groups(admitted, self.prefill_tokens):
-            plan = StepPlan("prefill", tuple(s.slot for s in group), tuple(tuple(s.all_ids) for s in group))
+        prefill, decode = self.scheduler.schedule()
+        for group in _prefill_groups(prefill, self.prefill_tokens):
+            plan = StepPlan("prefill", tuple(tuple(s.all_ids) for s in group), block_tables=_tables(group))
             outputs += self._advance(group, self.runner.run(plan))
-        batch = self.scheduler.decode_batch(exclude=admitted)
-        if batch:
-            plan = StepPlan("decode", tuple(s.slot for s in batch), tuple(s.all_ids[-1] for s in batch),
-                            tuple(s.length - 1 for s in batch))
-            outputs += self._advance(batch, self.runner.run(plan))
+        if decode:
+            plan = StepPlan("decode", tuple(s.all_ids[-1] for s in decode), tuple(s.length - 1 for s in decode),
+                            _tables(decode))
+            outputs += self._advance(decode, self.runner.run(plan))
         return outputs
 
     def _advance(self, seqs: list[Sequence], logits) -> list[RequestOutput]:
@@ -81,23 +100,36 @@ class LLMEngine:
                                          len(seq.prompt_ids), seq.num_completion, 1))
         return outputs
 
-    def grow_kv(self, budget: int, max_batch: int) -> int:
-        """Grow the KV pool to what ``budget`` bytes (per rank) hold, up to ``max_batch`` slots; never
-        shrinks. Runs between steps on every rank. Returns the slot count."""
-        kv = self.runner.kv
-        slots = min(max_batch, budget // kv.bytes_per_slot)
-        if slots > kv.num_slots:
-            old = kv.num_slots
-            self.runner.run(StepPlan("grow", (slots,)))
-            self.scheduler.add_slots(range(old, slots))
-        return kv.num_slots
+    def resize_kv(self, budget: int) -> KVUsage:
+        """Bring the KV pool (per rank) as close to ``budget`` bytes as it may go, between two steps,
+        with sequences running: grow by new chunks, shrink by releasing free tail chunks (never a used
+        block: a shrink stops short where one is in the way). The pool stays within one ``max_len``
+        context .. ``max_batch`` of them. Runs on every rank; returns what it reached."""
+        kv, blocks = self.runner.kv, self.scheduler.blocks
+        chunks = kv.plan_resize(budget, blocks.free_tail())
+        if chunks != kv.chunk_blocks:
+            try:
+                self.runner.run(StepPlan("resize", chunks=chunks))
+            finally:  # a failed replacement chunk (out of memory) leaves the pool at the chunks it kept
+                blocks.resize(kv.num_blocks)
+        return self.kv_usage()
+
+    def kv_usage(self) -> KVUsage:
+        blocks = self.scheduler.blocks
+        return KVUsage(self.runner.kv.nbytes, blocks.num_blocks, blocks.num_used, blocks.block_size,
+                       self.scheduler.preemptions)
 
     def warmup(self) -> None:
         """One prefill and one decode through the whole stack (every rank), so the first request
-        pays no lazy initialisation; leaves no sequence behind."""
-        plan = StepPlan("prefill", (0,), ((0, 1, 2, 3),))
-        self.runner.run(plan)
-        self.runner.run(StepPlan("decode", (0,), (4,), (4,)))
+        pays no lazy initialisation; uses the pool's first blocks and leaves no sequence behind."""
+        n = min(5, self.max_len)
+        table = (tuple(range(-(-n // self.runner.kv.block_size))),)
+        self.runner.run(StepPlan("prefill", (tuple(range(n - 1)),), block_tables=table))
+        self.runner.run(StepPlan("decode", (n - 1,), (n - 1,), table))
+
+
+def _tables(seqs: list[Sequence]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(s.block_table) for s in seqs)
 
 
 def _prefill_groups(seqs: list[Sequence], budget: int) -> list[list[Sequence]]:

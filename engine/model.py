@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.kv_cache import AttentionBatch, KVCache
+from engine.kv_cache import AttentionBatch, KVPool
 from engine.layers import Linear, RMSNorm, Rotary, RowParallelLinear, apply_rope
 
 
@@ -32,7 +32,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, cos, sin, layer: int, kv: KVCache, batch: AttentionBatch) -> torch.Tensor:
+    def forward(self, x, cos, sin, layer: int, kv: KVPool, batch: AttentionBatch) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
@@ -117,7 +117,7 @@ class CausalLM(nn.Module):
         model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_len, device)
         return model.eval()
 
-    def forward(self, tokens: torch.Tensor, kv: KVCache, batch: AttentionBatch) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, kv: KVPool, batch: AttentionBatch) -> torch.Tensor:
         # tokens [B, T] -> hidden [B, T, hidden]
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rotary(batch.positions, x.dtype)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_cache import AttentionBatch, KVCache
+from engine.kv_cache import KVPool
 from engine.model import CausalLM
 
 log = structlog.get_logger(__name__)
@@ -23,12 +23,15 @@ log = structlog.get_logger(__name__)
 @dataclass(frozen=True, slots=True)
 class StepPlan:
     """prefill: ``tokens`` holds each row's whole sequence (positions 0..len-1; rows are padded on the
-    right to the longest). decode: one token per row at ``positions``. stop: the group shuts down."""
+    right to the longest). decode: one token per row at ``positions``. Each row's KV lives in the
+    blocks of its ``block_tables`` row. resize: the pool becomes ``chunks`` (block counts, see
+    ``KVPool.plan_resize``). stop: the group shuts down."""
 
-    kind: str  # "prefill" | "decode" | "grow" (slots[0] = new slot count) | "stop"
-    slots: tuple[int, ...] = ()
+    kind: str  # "prefill" | "decode" | "resize" | "stop"
     tokens: tuple = ()  # prefill: tuple of tuples of ids; decode: one id per row
     positions: tuple[int, ...] = ()
+    block_tables: tuple[tuple[int, ...], ...] = ()
+    chunks: tuple[int, ...] = ()
 
 
 class ModelRunner:
@@ -39,10 +42,12 @@ class ModelRunner:
         self.max_len = min(cfg.max_model_len or model_cfg.context_len, model_cfg.context_len)
         self.model = CausalLM.from_weights(model_cfg, weights, tp=cfg.tp, fp8=cfg.transform == "fp8-block",
                                            max_len=self.max_len, device=self.device)
-        self.kv = KVCache.from_budget(cfg.kv_memory, cfg.max_batch, model_cfg.num_layers,
-                                      model_cfg.num_kv_heads // cfg.tp, self.max_len, model_cfg.head_dim,
-                                      self.dtype, self.device)
-        log.info("kv_cache_allocated", slots=self.kv.num_slots, max_len=self.max_len, bytes=self.kv.nbytes)
+        self.kv = KVPool.from_budget(cfg.kv_memory, max_batch=cfg.max_batch, max_len=self.max_len,
+                                     block_size=cfg.kv_block_size, layers=model_cfg.num_layers,
+                                     kv_heads=model_cfg.num_kv_heads // cfg.tp, head_dim=model_cfg.head_dim,
+                                     dtype=self.dtype, device=self.device)
+        log.info("kv_cache_allocated", blocks=self.kv.num_blocks, block_size=self.kv.block_size,
+                 chunks=len(self.kv.chunks), max_len=self.max_len, bytes=self.kv.nbytes)
 
     def run(self, plan: StepPlan) -> torch.Tensor | None:
         """Rank 0: share the plan with the group, then execute it. Returns last-token logits [B, V]."""
@@ -61,42 +66,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        if plan.kind == "grow":
-            self.kv.grow(plan.slots[0])
-            log.info("kv_cache_grown", slots=self.kv.num_slots, bytes=self.kv.nbytes)
+        if plan.kind == "resize":
+            self.kv.resize(plan.chunks)
+            log.info("kv_cache_resized", blocks=self.kv.num_blocks, chunks=len(self.kv.chunks),
+                     bytes=self.kv.nbytes)
             return None
         dev = self.device
-        slots = torch.tensor(plan.slots, dtype=torch.long, device=dev)
         if plan.kind == "prefill":
             # right padding is harmless: causal attention keeps real positions off the pad, and the
-            # pad's KV (past each row's end) is overwritten by decode before anything attends to it
+            # pad's K/V is never written to the pool
             lens = [len(t) for t in plan.tokens]
             longest = max(lens)
             tokens = torch.tensor([list(t) + [0] * (longest - len(t)) for t in plan.tokens], dtype=torch.long,
                                   device=dev)
-            positions = torch.arange(longest, device=dev).unsqueeze(0).expand(len(lens), -1)
-            hidden = self.model(tokens, self.kv, AttentionBatch(slots, positions, prefill=True))
+            hidden = self.model(tokens, self.kv, self.kv.prefill_batch(plan.block_tables, lens))
             last = torch.tensor(lens, device=dev) - 1
             return self.model.logits(hidden[torch.arange(len(lens), device=dev), last])
         tokens = torch.tensor(plan.tokens, dtype=torch.long, device=dev).unsqueeze(1)
-        pos = torch.tensor(plan.positions, dtype=torch.long, device=dev)
-        hidden = self.model(tokens, self.kv, self._decode_batch(slots, pos, plan))
+        hidden = self.model(tokens, self.kv, self.kv.decode_batch(plan.block_tables, plan.positions))
         return self.model.logits(hidden[:, -1])
 
-    def _decode_batch(self, slots: torch.Tensor, pos: torch.Tensor, plan: StepPlan) -> AttentionBatch:
-        n = max(plan.positions) + 1
-        mask = None
-        if min(plan.positions) + 1 != n:  # ragged contexts: mask each row's tail
-            mask = (torch.arange(n, device=self.device) < (pos + 1).unsqueeze(1)).view(len(plan.slots), 1, 1, n)
-        first = plan.slots[0]
-        contiguous = plan.slots == tuple(range(first, first + len(plan.slots)))
-        return AttentionBatch(slots, pos.unsqueeze(1), prefill=False, context_len=n, mask=mask,
-                              slot_range=(first, first + len(plan.slots)) if contiguous else None)
-
-    def all_logits(self, token_ids: list[int], slot: int = 0) -> torch.Tensor:
-        """Logits of every position of one prompt (for parity checks); [T, V] float32."""
+    def all_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits of every position of one prompt (for parity checks), written to the pool's first
+        blocks (use on an idle runner); [T, V] float32."""
         with torch.inference_mode():
             tokens = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-            positions = torch.arange(len(token_ids), device=self.device).unsqueeze(0)
-            batch = AttentionBatch(torch.tensor([slot], device=self.device), positions, prefill=True)
+            table = tuple(range(-(-len(token_ids) // self.kv.block_size)))
+            batch = self.kv.prefill_batch((table,), [len(token_ids)])
             return self.model.logits(self.model(tokens, self.kv, batch))[0]

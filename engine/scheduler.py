@@ -1,16 +1,25 @@
-"""Continuous batching: sequences wait, are admitted into a free KV slot, prefilled, then decoded
-together; they join and leave the running batch between decode steps.
+"""Continuous batching over paged KV: sequences wait, are admitted when the pool has blocks for
+their tokens, prefilled, then decoded together, each growing block by block; they join and leave the
+running batch between decode steps.
+
+When a running sequence needs a block and none is free, the youngest running sequence is preempted:
+its blocks are freed and it goes back to the head of the queue, to be prefilled again later with its
+prompt and every token generated so far (recompute). Nothing is re-sent to its client: its text and
+sampling state live on, keyed by its position (``engine.sampling``), so it continues where it was.
 
 The scheduler is owned by the engine thread; nothing here is thread-safe by itself.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import count
 
+from engine.block_manager import BlockManager
 from engine.sampling import SamplingParams
 
 
@@ -33,7 +42,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    slot: int = -1
+    block_table: list[int] = field(default_factory=list)  # owned by the block manager
+    order: int = -1  # arrival order in the scheduler: the highest running one is preempted first
+    preemptions: int = 0
     arrival: float = field(default_factory=time.monotonic)
 
     @property
@@ -53,15 +64,18 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, max_len: int, eos_ids: tuple[int, ...]) -> None:
-        self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot
-        self.max_len = max_len
+    def __init__(self, blocks: BlockManager, max_batch: int, max_len: int, eos_ids: tuple[int, ...]) -> None:
+        self.blocks = blocks
+        self.max_batch, self.max_len = max_batch, max_len
         self.eos_ids = frozenset(eos_ids)
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # ascending order (oldest first)
+        self.preemptions = 0
+        self._order = count()
 
     def add(self, seq: Sequence) -> None:
         assert seq.length < self.max_len, "the server checks prompt length before admitting"
+        seq.order = next(self._order)
         self.waiting.append(seq)
 
     def abort(self, seq_id: str) -> Sequence | None:
@@ -77,25 +91,53 @@ class Scheduler:
                 return seq
         return None
 
-    def add_slots(self, slots: range) -> None:
-        self.free_slots = sorted([*self.free_slots, *slots], reverse=True)
-
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def admit(self) -> list[Sequence]:
-        """Move waiting sequences into free slots; they are prefilled this step."""
+    def schedule(self) -> tuple[list[Sequence], list[Sequence]]:
+        """This step's (prefill, decode) sequences. Decode goes first: every running sequence gets
+        the block its next token needs, preempting the youngest when the pool is out of blocks;
+        only a step that preempted nothing admits waiting sequences (else they would be preempted
+        again at once)."""
+        decode, preempted = self._reserve_decode()
+        return ([] if preempted else self._admit()), decode
+
+    def _reserve_decode(self) -> tuple[list[Sequence], bool]:
+        batch, queue, preempted = [], list(self.running), False
+        while queue:
+            seq = queue.pop(0)
+            while not self.blocks.can_append(seq):
+                preempted = True
+                if not queue:  # seq is the youngest left: it waits, the older ones go on
+                    self._preempt(seq)
+                    break
+                self._preempt(queue.pop())
+            else:
+                self.blocks.may_append(seq)
+                batch.append(seq)
+        return batch, preempted
+
+    def _admit(self) -> list[Sequence]:
+        """Move waiting sequences, first come first served, into the running batch while the pool
+        has blocks for all their tokens; they are prefilled this step."""
         admitted = []
-        while self.waiting and self.free_slots:
+        while self.waiting and len(self.running) < self.max_batch and self.blocks.can_allocate(self.waiting[0]):
             seq = self.waiting.popleft()
-            seq.slot, seq.status = self.free_slots.pop(), Status.RUNNING
-            self.running.append(seq)
+            self.blocks.allocate(seq)
+            seq.status = Status.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.order)
             admitted.append(seq)
         return admitted
 
-    def decode_batch(self, exclude: list[Sequence]) -> list[Sequence]:
-        skip = set(map(id, exclude))
-        return sorted((s for s in self.running if id(s) not in skip), key=lambda s: s.slot)
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        # waiting sequences all arrived after running ones, and victims go youngest first: the
+        # queue stays in arrival order
+        self.waiting.appendleft(seq)
 
     def append(self, seq: Sequence, token: int) -> None:
         """Record a generated token and finish the sequence on a stop id, max_tokens or full context."""
@@ -117,5 +159,4 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
-            self.free_slots.append(seq.slot)
-            self.free_slots.sort(reverse=True)
+            self.blocks.free(seq)

@@ -114,8 +114,7 @@ async def _await_ready(cfg, engine: AsyncEngine, server: EngineServer, keep: dic
     ctx = ServingContext(cfg.model_name, built.tokenizer, built.max_len, built.runner.model_cfg.vocab_size)
     server.set_ready(ctx, {
         "model": cfg.model_name, "weights_source": weights.source, "weights_seconds": round(weights.seconds, 4),
-        "startup_seconds": round(time.monotonic() - started, 3), "kv_slots": built.runner.kv.num_slots,
-        "kv_bytes": built.runner.kv.nbytes, "max_model_len": built.max_len, "tp": cfg.tp,
+        "startup_seconds": round(time.monotonic() - started, 3), "max_model_len": built.max_len, "tp": cfg.tp,
         "device": cfg.device, "dtype": cfg.dtype, "pid": os.getpid(),
     })
     server.metrics.weights_seconds.labels(cfg.model_name, weights.source).set(weights.seconds)

@@ -88,7 +88,7 @@ class EngineServer:
     async def ready(self, request: web.Request) -> web.Response:
         if self.state != "ready" or self.engine.error is not None:
             return web.json_response({"ready": False, "state": self.state}, status=503)
-        return web.json_response({"ready": True, **self.info})
+        return web.json_response({"ready": True, **self.info, **self.engine.kv_usage.fields()})
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
@@ -99,9 +99,11 @@ class EngineServer:
         return web.json_response({"object": "list", "data": [card]})
 
     async def grow_kv(self, request: web.Request) -> web.Response:
-        """``{"kv_memory": BYTES}``: grow the KV pool (per rank) to that budget, never shrink. For a
-        standby promoted into memory a dead primary or an evicted batch engine released.
-        Needs the supervisor's bearer token."""
+        """``{"kv_memory": BYTES}``: resize the KV pool (per rank) towards that many bytes, growing or
+        shrinking between two steps with sequences running. For a standby promoted into memory a dead
+        primary or an evicted batch engine released, and for giving memory back. A shrink stops where
+        a used block is in the way; the answer says what the pool reached. Needs the supervisor's
+        bearer token."""
         admin_auth.check(request, self.admin_token)
         if self.state != "ready":
             raise ApiError(503, f"the engine is {self.state}", type="service_unavailable", code="not_ready")
@@ -110,16 +112,14 @@ class EngineServer:
         if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
             raise ApiError(400, "'kv_memory' must be a positive integer (bytes per rank)", param="kv_memory")
         try:
-            slots = await self.engine.grow_kv(budget, self.cfg.max_batch)
+            kv = await self.engine.resize_kv(budget)
         except EngineDead as e:
             raise ApiError(500, f"the engine failed: {e}", type="server_error") from e
         except RuntimeError as e:
             raise ApiError(507, f"cannot grow the KV cache to {budget} bytes: {e}", type="server_error",
                            code="out_of_memory") from e
-        kv = self.engine.engine.runner.kv
-        self.info.update(kv_slots=slots, kv_bytes=kv.nbytes)
-        log.info("kv_grown", slots=slots, bytes=kv.nbytes)
-        return web.json_response({"kv_slots": slots, "kv_bytes": kv.nbytes})
+        log.info("kv_resized", requested=budget, bytes=kv.bytes, blocks=kv.blocks_total, used=kv.blocks_used)
+        return web.json_response({"kv_memory_requested": budget, **kv.fields()})
 
     # --- generation -----------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -36,32 +36,12 @@ def test_prefill_of_ragged_prompts_together_matches_alone(engine):
     assert {k: v[0] for k, v in together.items()} == {k: v[0] for k, v in alone.items()}
 
 
-def test_more_requests_than_slots_wait_for_a_slot(tiny_model):
+def test_more_requests_than_the_batch_wait_for_room(tiny_model):
     small = build_llm_engine(tiny_model, max_batch=2)
     seqs = [make_seq(f"r{i}", p, max_tokens=5, ignore_eos=True) for i, p in enumerate(PROMPTS)]
     out = run_engine(small, seqs)
     assert all(len(v[0]) == 5 for v in out.values())
-    assert sorted(small.scheduler.free_slots) == [0, 1]
-
-
-def test_kv_pool_grows_under_running_sequences(tiny_model):
-    small = build_llm_engine(tiny_model, max_batch=4, kv_memory=256 << 10)  # one 256 KiB slot
-    alone = {}
-    for i, p in enumerate(PROMPTS):
-        alone |= run_engine(small, [make_seq(f"r{i}", p, max_tokens=8, ignore_eos=True)])
-    seqs = [make_seq(f"r{i}", p, max_tokens=8, ignore_eos=True) for i, p in enumerate(PROMPTS)]
-    for seq in seqs:
-        small.add(seq)
-    results = {}
-    for step in range(200):
-        if step == 3:
-            assert small.grow_kv(10 << 20, max_batch=4) == 4  # capped by max_batch
-        for out in small.step():
-            results.setdefault(out.seq_id, []).extend(out.token_ids)
-        if not small.has_work():
-            break
-    assert results == {k: v[0] for k, v in alone.items()}
-    assert small.grow_kv(1, max_batch=4) == 4  # never shrinks
+    assert small.scheduler.blocks.num_used == 0
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(engine):
@@ -98,13 +78,14 @@ def test_stop_token_ids_and_eos(engine):
     assert out[0] == ids[:ids.index(ids[3]) + 1] and out[2] == "stop"
 
 
-def test_abort_frees_the_slot(engine):
+def test_abort_frees_the_blocks(engine):
     seq = make_seq("x", PROMPTS[0], max_tokens=50, ignore_eos=True)
     engine.add(seq)
     engine.step()
     engine.step()
+    assert engine.scheduler.blocks.num_used == 1
     engine.abort("x")
-    assert not engine.has_work() and len(engine.scheduler.free_slots) == engine.runner.kv.num_slots
+    assert not engine.has_work() and engine.scheduler.blocks.num_free == engine.runner.kv.num_blocks
     assert seq.finish_reason == "abort"
 
 

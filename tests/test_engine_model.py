@@ -93,7 +93,10 @@ def test_kv_budget_too_small_is_a_clear_error(checkpoints):
         build_runner(checkpoints["llama"], kv_memory=1024)
 
 
-def test_kv_slots_follow_the_budget(checkpoints):
+def test_kv_blocks_follow_the_budget(checkpoints):
     runner = build_runner(checkpoints["llama"], kv_memory=3 * 256 * 1024 + 5, max_batch=16)
-    # per slot: 2 (k, v) * 2 layers * 2 kv heads * 512 positions * 16 dims * 4 bytes = 256 KiB
-    assert runner.kv.num_slots == 3
+    # per block: 2 (k, v) * 2 layers * 2 kv heads * 16 positions * 16 dims * 4 bytes = 8 KiB
+    assert runner.kv.num_blocks == 96 and runner.kv.nbytes == 3 * 256 * 1024
+    assert len(runner.kv.chunks) == 4  # so that a shrink can release part of it
+    # capped at max_batch full contexts (512 positions = 32 blocks each): more could never be used
+    assert build_runner(checkpoints["llama"], kv_memory=1 << 30, max_batch=2).kv.num_blocks == 64

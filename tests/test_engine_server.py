@@ -186,7 +186,9 @@ def test_probes_and_metrics(server):
     assert ready["max_model_len"] == MAX_LEN
     _, text = get(server, "/metrics")
     for name in ("engine_requests_total", "engine_generation_tokens_total", "engine_time_to_first_token_seconds",
-                 "engine_inter_token_latency_seconds", "engine_requests_running", "engine_requests_waiting"):
+                 "engine_inter_token_latency_seconds", "engine_requests_running", "engine_requests_waiting",
+                 "engine_kv_pool_bytes", "engine_kv_pool_blocks", "engine_kv_blocks_used", "engine_kv_blocks_free",
+                 "engine_preemptions_total"):
         assert name in text
 
 
@@ -208,10 +210,40 @@ def test_admin_kv_needs_the_bearer_token_from_the_token_file(tiny_model, procs):
                     {"Authorization": "Basic " + auth["Authorization"][7:]}):
         status, text = post(port, "/admin/kv", body, headers=headers)
         assert status == 401 and json.loads(text)["error"]["code"] == "unauthorized", (headers, text)
-    assert get(port, "/ready")[1]["kv_slots"] == 1
+    assert get(port, "/ready")[1]["kv_blocks_total"] == 32  # 256 KiB of 8 KiB blocks
     status, text = post(port, "/admin/kv", body, headers=auth)
-    assert status == 200 and json.loads(text)["kv_slots"] == 4
-    assert get(port, "/ready")[1]["kv_slots"] == 4
+    assert status == 200 and json.loads(text)["kv_blocks_total"] == 128
+    assert get(port, "/ready")[1]["kv_blocks_total"] == 128
+
+
+def test_admin_kv_grows_and_shrinks_the_pool_and_the_metrics_show_it(tiny_model, procs):
+    server = free_port()
+    path, auth = token_file(procs)
+    start_engine(procs, tiny_model, server, "--weights", "disk", "--served-model-name", MODEL,
+                 "--max-model-len", str(MAX_LEN), "--admin-token-file", str(path))
+    block = 8 << 10  # 2 (k, v) * 2 layers * 2 kv heads * 16 positions * 16 dims * 4 bytes
+    full = 16 * (MAX_LEN // 16) * block  # --max-batch 16 contexts of MAX_LEN: the default pool's cap
+    ready = get(server, "/ready")[1]
+    assert (ready["kv_bytes"], ready["kv_blocks_total"], ready["kv_block_size"]) == (full, full // block, 16)
+
+    def resize(nbytes: int) -> dict:
+        status, text = post(server, "/admin/kv", {"kv_memory": nbytes}, headers=auth)
+        assert status == 200, text
+        return json.loads(text)
+
+    try:
+        small = resize(20 * block + 5)
+        assert (small["kv_bytes"], small["kv_blocks_total"], small["kv_blocks_used"]) == (20 * block, 20, 0)
+        assert metric(server, "engine_kv_pool_bytes") == 20 * block
+        assert (metric(server, "engine_kv_pool_blocks"), metric(server, "engine_kv_blocks_free")) == (20, 20)
+        assert get(server, "/ready")[1]["kv_blocks_total"] == 20
+        assert completion(server, prompt="hi", max_tokens=4)["usage"]["completion_tokens"] == 4
+        assert resize(1)["kv_blocks_total"] == MAX_LEN // 16  # never below one full context
+        grown = resize(1 << 40)  # never past what --max-batch sequences can use
+        assert grown["kv_bytes"] == full and metric(server, "engine_kv_pool_bytes") == full
+        assert metric(server, "engine_kv_blocks_used") == 0
+    finally:
+        resize(full)
 
 
 def test_sigterm_drains_in_flight_then_exits(tiny_model, procs):
@@ -274,13 +306,13 @@ def test_main_runs_in_a_forked_child_of_a_process_that_imported_engine(tiny_mode
     path, auth = token_file(procs)
     proc = procs.python("-c", FORK_SCRIPT, "--model", str(tiny_model), "--port", str(port), "--weights", "disk",
                         "--served-model-name", MODEL, "--kv-memory", "256KiB", "--admin-token-file", str(path))
-    assert wait_engine_ready(proc, port)["kv_slots"] == 1
+    assert wait_engine_ready(proc, port)["kv_blocks_total"] == 32  # 256 KiB of 8 KiB blocks
     status, text = post(port, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3})
     assert status == 200, text
     # a standby's pool grows into memory that was freed (POST /admin/kv)
     assert post(port, "/admin/kv", {"kv_memory": "1M"}, headers=auth)[0] == 400
     status, text = post(port, "/admin/kv", {"kv_memory": 1 << 20}, headers=auth)
-    assert status == 200 and json.loads(text)["kv_slots"] == 4
-    assert get(port, "/ready")[1]["kv_slots"] == 4
+    assert status == 200 and json.loads(text)["kv_blocks_total"] == 128
+    assert get(port, "/ready")[1]["kv_bytes"] == 1 << 20
     procs.stop_all()
     assert proc.returncode == 0

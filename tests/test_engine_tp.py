@@ -44,11 +44,15 @@ def test_tp2_engine_serves_tp1_greedy_tokens_and_stops_its_ranks(daemon, tiny_mo
     prompts = [[5, 17, 42, 99], [3, 250, 7, 11, 300, 64, 128]]
     local = build_llm_engine(tiny_model)
     expected = run_engine(local, [make_seq(str(i), p, max_tokens=12, ignore_eos=True) for i, p in enumerate(prompts)])
-    for i, prompt in enumerate(prompts):
-        status, text = post(port, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 12,
-                                                      "temperature": 0, "ignore_eos": True})
-        assert status == 200, text
-        assert json.loads(text)["choices"][0]["token_ids"] == expected[str(i)][0]
+    for budget in (None, 256 << 10, 1 << 20):  # as started, then every rank's pool shrunk and grown
+        if budget is not None:
+            status, text = post(port, "/admin/kv", {"kv_memory": budget})
+            assert status == 200 and json.loads(text)["kv_bytes"] == budget, text
+        for i, prompt in enumerate(prompts):
+            status, text = post(port, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 12,
+                                                          "temperature": 0, "ignore_eos": True})
+            assert status == 200, text
+            assert json.loads(text)["choices"][0]["token_ids"] == expected[str(i)][0]
     workers = [json.loads(line)["pid"] for line in engine_log(proc).splitlines()
                if '"tp_worker_started"' in line]
     assert len(workers) == 1

@@ -108,7 +108,7 @@ def raw_request(port: int, target: str, body: bytes = b"", headers: dict | None 
 
 def kv(node: Node) -> tuple[int, int]:
     ready = get(node.engine_port, "/ready")[1]
-    return ready["kv_slots"], ready["kv_bytes"]
+    return ready["kv_blocks_total"], ready["kv_bytes"]
 
 
 def completion(max_tokens: int = 3) -> bytes:

@@ -1,0 +1,160 @@
+"""Decode throughput of the paged KV cache against the per-slot contiguous cache it replaced.
+
+    python3 bench/paged_kv.py                          # CPU; baseline = the engine at git ref a6707d6
+    python3 bench/paged_kv.py --device cuda --dtype bfloat16 --layers 16
+
+The baseline is the same engine code at ``--baseline`` (default: the last commit before paging),
+checked out into a temporary git worktree that is removed afterwards. Each measurement is a child
+process (``--child``) with that tree first on ``sys.path``, so both variants run the same bench code
+on the same checkpoint; variants alternate (A B A B ...) so that a change in machine load hits both.
+Decode tokens/s = ``B * (new - 1) / time from the first generated token to the last`` (prefill
+excluded), median over ``--runs`` processes of the median of 3 in each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BASELINE = "a6707d6"  # main before paged KV: one contiguous max_len region per slot
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--layers", type=int, default=6, help="decoder layers of the llama checkpoint (hidden 1024)")
+    p.add_argument("--prompt-lens", default="16,512", help="context before decoding (a longer one moves more KV)")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--runs", type=int, default=3, help="child processes per variant")
+    p.add_argument("--baseline", default=BASELINE, help="git ref of the contiguous-KV engine")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# --- one measurement (child process; the engine comes from whichever tree is first on sys.path) -----
+def measure(args) -> dict:
+    import torch
+
+    from cache_daemon.checkpoint import load_shards
+    from engine.config import EngineConfig, ModelConfig
+    from engine.llm_engine import LLMEngine
+    from engine.model_runner import ModelRunner
+    from engine.sampling import SamplingParams
+    from engine.scheduler import Sequence
+    from engine.tokenizer import Tokenizer
+
+    batches = [int(b) for b in args.batches.split(",")]
+    lens = [int(n) for n in args.prompt_lens.split(",")]
+    cfg = EngineConfig(model=args.model, weights="disk", device=args.device, dtype=args.dtype,
+                       max_batch=max(batches), kv_memory=16 << 30, max_model_len=max(lens) + args.new_tokens + 8)
+    weights = load_shards(args.model, dtype=getattr(torch, args.dtype))
+    if args.device == "cuda":
+        weights = {k: v.cuda() for k, v in weights.items()}
+    engine = LLMEngine(ModelRunner(cfg, ModelConfig.from_dir(args.model), weights), Tokenizer(args.model), ())
+    engine.warmup()
+    gen = torch.Generator().manual_seed(0)
+
+    def sync():
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    def decode_seconds(b: int, prompt_len: int, new: int) -> float:
+        prompts = torch.randint(3, 500, (b, prompt_len), generator=gen).tolist()
+        seqs = [Sequence(f"{b}-{i}-{time.monotonic_ns()}", p,
+                         SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True), 0)
+                for i, p in enumerate(prompts)]
+        for s in seqs:
+            engine.add(s)
+        engine.step()  # admits and prefills all of them, first token each
+        sync()
+        start = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+        sync()
+        assert all(len(s.output_ids) == new for s in seqs)
+        return time.perf_counter() - start
+
+    out = {}
+    for n in lens:
+        for b in batches:
+            decode_seconds(b, n, 3)  # warm this shape
+            t = statistics.median(decode_seconds(b, n, args.new_tokens) for _ in range(3))
+            out[f"{n}/{b}"] = b * (args.new_tokens - 1) / t
+    return out
+
+
+# --- the comparison (parent) ----------------------------------------------------------------------
+def write_model(work: Path, layers: int, dtype: str, max_positions: int) -> Path:
+    from failover.tiny_model import TinySpec, write_checkpoint
+
+    spec = TinySpec(arch="llama", hidden=1024, heads=16, kv_heads=4, intermediate=2816, vocab=32000,
+                    layers=layers, max_positions=max_positions, dtype=dtype, shards=2)
+    return write_checkpoint(work / "model", spec)
+
+
+def run_child(tree: Path, model: Path, args) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", str(model),
+           "--device", args.device, "--dtype", args.dtype, "--prompt-lens", args.prompt_lens,
+           "--new-tokens", str(args.new_tokens), "--batches", args.batches]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"child in {tree} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.child:
+        # the tree under test comes from PYTHONPATH; this script's own dir would shadow the engine
+        # package with bench/engine.py
+        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+        from cache_daemon.logs import configure_logging
+
+        configure_logging("warning")
+        print(json.dumps(measure(args)))
+        return 0
+    sys.path.insert(0, str(REPO))
+    work = Path(tempfile.mkdtemp(prefix="fo-bench-paged-"))
+    baseline = work / "baseline"
+    try:
+        model = write_model(work, args.layers, args.dtype, 2 * max(int(n) for n in args.prompt_lens.split(",")) + 64)
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(baseline), args.baseline],
+                       check=True, capture_output=True)
+        figures: dict[str, list[dict]] = {"contiguous": [], "paged": []}
+        for _ in range(args.runs):
+            figures["contiguous"].append(run_child(baseline, model, args))
+            figures["paged"].append(run_child(REPO, model, args))
+        load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+        print(f"# bench/paged_kv.py: llama {args.layers} layers, hidden 1024, {args.dtype}, {args.device}; "
+              f"{args.new_tokens} new tokens, greedy, prefill excluded; {os.cpu_count()} cores, load {load}")
+        print(f"decode tokens/s, median of {args.runs} processes (contiguous = {args.baseline})")
+        for key in figures["paged"][0]:
+            n, b = key.split("/")
+            old, new = (statistics.median(r[key] for r in figures[v]) for v in ("contiguous", "paged"))
+            spread = "  ".join(f"{v} " + "/".join(f"{r[key]:.1f}" for r in figures[v]) for v in figures)
+            print(f"  context {n:>4}, batch {b:>3}: contiguous {old:9.1f}   paged {new:9.1f}   "
+                  f"paged/contiguous {new / old:.2f}x   (each run: {spread})")
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(baseline)],
+                       capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
