@@ -15,8 +15,8 @@ import torch
 
 from cache_daemon_helpers import running_daemon
 from conftest import free_port
-from engine_helpers import (PROMPT_IDS, build_llm_engine, engine_log, hf_logits, make_seq, post, run_engine, 
-                            start_engine)
+from engine_helpers import (PROMPT_IDS, build_llm_engine, engine_log, hf_logits, make_seq, post, run_engine,
+                            start_engine, token_file)
 
 HELPER = str(Path(__file__).with_name("engine_helpers.py"))
 
@@ -39,14 +39,15 @@ def test_tp2_logits_match_transformers_from_disk_and_cache(daemon, tiny_model, p
 
 def test_tp2_engine_serves_tp1_greedy_tokens_and_stops_its_ranks(daemon, tiny_model, procs):
     port = free_port()
+    path, auth = token_file(procs)
     proc = start_engine(procs, tiny_model, port, "--tp", "2", "--weights", "cache", "--socket", str(daemon),
-                        "--served-model-name", "m")
+                        "--served-model-name", "m", "--admin-token-file", str(path))
     prompts = [[5, 17, 42, 99], [3, 250, 7, 11, 300, 64, 128]]
     local = build_llm_engine(tiny_model)
     expected = run_engine(local, [make_seq(str(i), p, max_tokens=12, ignore_eos=True) for i, p in enumerate(prompts)])
     for budget in (None, 256 << 10, 1 << 20):  # as started, then every rank's pool shrunk and grown
         if budget is not None:
-            status, text = post(port, "/admin/kv", {"kv_memory": budget})
+            status, text = post(port, "/admin/kv", {"kv_memory": budget}, headers=auth)
             assert status == 200 and json.loads(text)["kv_bytes"] == budget, text
         for i, prompt in enumerate(prompts):
             status, text = post(port, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 12,
