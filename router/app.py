@@ -95,6 +95,11 @@ class Router:
         if inst.role != role:
             self.promoter.set_role(inst, role, "re-registered")
 
+    def watch_roles(self, listener) -> None:
+        """Call ``listener(instance, old_role, new_role, reason)`` after every role change (in the
+        event loop, synchronously: a listener schedules its work, it never blocks)."""
+        self.promoter.role_listeners.append(listener)
+
     def register(self, service: str, name: str, url: str, role: str, pid: int | None) -> None:
         """A launcher's ready instance: added, or re-registered when it is out of service
         (relaunching, stopped, preempted); one the router still routes (a resumed standby whose

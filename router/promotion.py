@@ -55,11 +55,16 @@ class Promoter:
         self.pending: dict[str, PendingFailover] = {}
         self.last_failover: dict[str, dict] = {}
         self.tasks: set[asyncio.Task] = set()
+        # called after every role change as (instance, old role, new role, reason); see Router.watch_roles
+        self.role_listeners: list[Callable[[Instance, str, str, str], None]] = []
 
     # -- role bookkeeping ---------------------------------------------------------------------
     def set_role(self, inst: Instance, new: str, reason: str, **timings: float) -> None:
+        old = inst.role
         states.change_role(inst, new, reason, **timings)
         self.metrics.set_role(inst.service, inst.name, new)
+        for listener in self.role_listeners:
+            listener(inst, old, new, reason)
 
     def set_ready(self, inst: Instance, ready: bool, why: str) -> None:
         if inst.ready != ready:

@@ -23,7 +23,7 @@ def test_status_and_refusals(node):
     table = node.cli("status")
     assert table.returncode == 0, table.stderr
     header, *rows = table.stdout.splitlines()
-    assert header.split() == ["SERVICE", "INSTANCE", "ROLE", "PID", "URL", "READY", "UPTIME"]
+    assert header.split() == ["SERVICE", "INSTANCE", "ROLE", "PID", "URL", "READY", "UPTIME", "KV"]
     assert {r.split()[2] for r in rows[:2]} == {"primary", "standby"}
     doc = json.loads(node.cli("status", "--json").stdout)
     assert doc["services"][0]["name"] == "chat" and doc["supervisor"]["launch"] == "zygote"

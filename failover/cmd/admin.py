@@ -111,7 +111,7 @@ def instances(doc: dict) -> list[dict]:
 
 
 def render_table(doc: dict) -> str:
-    cols = ("service", "instance", "role", "pid", "url", "ready", "uptime")
+    cols = ("service", "instance", "role", "pid", "url", "ready", "uptime", "kv")
     rows = []
     for inst in instances(doc):
         uptime = inst.get("uptime_s", inst.get("uptime"))
@@ -120,6 +120,7 @@ def render_table(doc: dict) -> str:
             str(inst.get("pid") or "-"), str(inst.get("url", "")),
             "yes" if inst.get("ready") else "no",
             _duration(uptime) if isinstance(uptime, (int, float)) else "-",
+            _pool(inst.get("kv_bytes"), inst.get("kv_target_bytes")),
         ))
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
     lines = ["  ".join(c.upper().ljust(w) for c, w in zip(cols, widths)).rstrip()]
@@ -161,6 +162,14 @@ def _first_service(doc: dict, instance: str | None) -> str:
         raise AdminError("the router has no services yet")
     first = services[0]
     return first["name"] if isinstance(first, dict) else str(first)
+
+
+def _pool(now, target) -> str:
+    """``64.0MiB``, or ``4.0MiB->64.0MiB`` while a pool grows (or shrinks) toward its target."""
+    if not isinstance(now, int):
+        return "-"
+    size = lambda n: f"{n / (1 << 20):.1f}MiB" if n < 1 << 30 else f"{n / (1 << 30):.2f}GiB"
+    return size(now) if not isinstance(target, int) or target == now else f"{size(now)}->{size(target)}"
 
 
 def _duration(s: float) -> str:

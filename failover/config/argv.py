@@ -12,12 +12,14 @@ def daemon_argv(config: Config) -> list[str]:
             "--dtype", m.dtype, "--transform", m.transform, "--log-level", config.supervisor.log_level]
 
 
-def engine_argv(config: Config, svc: ServiceConfig, port: int) -> list[str]:
-    """``failover engine`` options for one instance: weights mapped from the daemon, never read."""
+def engine_argv(config: Config, svc: ServiceConfig, port: int, kv_bytes: int) -> list[str]:
+    """``failover engine`` options for one instance: weights mapped from the daemon, never read;
+    a KV pool of ``kv_bytes`` (a primary's or a standby's budget)."""
     m = config.model
-    return ["--model", m.path, "--weights", "cache", "--socket", str(config.daemon_socket),
+    cap = ["--max-model-len", str(svc.max_model_len)] if svc.max_model_len else []
+    return [*cap, "--model", m.path, "--weights", "cache", "--socket", str(config.daemon_socket),
             "--host", "127.0.0.1", "--port", str(port), "--tp", str(m.tp), "--device", m.device,
-            "--dtype", m.dtype, "--transform", m.transform, "--kv-memory", str(svc.kv_memory_bytes),
+            "--dtype", m.dtype, "--transform", m.transform, "--kv-memory", str(kv_bytes),
             "--max-batch", str(svc.max_batch), "--served-model-name", svc.name,
             # a batch engine is evicted, not drained: its runner re-sends whatever was cut off
             "--drain-timeout", "0" if svc.kind == "batch" else str(config.supervisor.drain_timeout),

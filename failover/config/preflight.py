@@ -13,6 +13,7 @@ from pathlib import Path
 
 from cache_daemon import owned
 from cache_daemon.layout import undivided_by_tp
+from failover.config.kv import min_pool_bytes, standby_bytes
 from failover.config.schema import BatchConfig, Config, ConfigError, ModelConfig
 from failover.procs import memory
 from failover_common.ports import port_is_free
@@ -22,6 +23,8 @@ from failover_common.proc import pid_alive
 def preflight(config: Config) -> None:
     """Check the machine before anything starts: model files, tp split, free ports, run dir."""
     problems = _check_model(config.model)
+    if not problems:
+        problems += _check_kv_floors(config)
     if not problems:
         problems += _check_memory(config)
     ports = [("router.port", config.router.host, config.router.port)]
@@ -78,9 +81,33 @@ def _check_batch_files(key: str, batch: BatchConfig) -> list[str]:
     return problems
 
 
+def _check_kv_floors(config: Config) -> list[str]:
+    """Each pool must hold one sequence of the longest context, or its engine refuses to start."""
+    problems, m = [], config.model
+    for i, svc in enumerate(config.service):
+        if svc.command is not None:  # an external engine sizes its own cache
+            continue
+        floor = min_pool_bytes(m.path, m.dtype, m.tp, svc.max_model_len)
+        budgets = [("kv_memory", svc.kv_memory, svc.kv_memory_bytes)]
+        if svc.standby_kv_memory is not None:
+            budgets.append(("standby_kv_memory", svc.standby_kv_memory, svc.standby_kv_memory_bytes))
+        for key, given, size in budgets:
+            if size < floor:
+                problems.append(f"service[{i}].{key}: {given!r} holds no sequence of the model's longest "
+                                f"context; the minimum is {floor} bytes ({_mib(floor)}) per rank; raise it, "
+                                "or lower service.max_model_len")
+    return problems
+
+
 def _check_memory(config: Config) -> list[str]:
-    """KV budgets of every instance plus one copy of the weights must fit in free memory."""
-    kv = sum(svc.kv_memory_bytes * svc.instances for svc in config.service)
+    """One copy of the weights plus every pool (primaries, standbys' small pools, batch engines)
+    must fit in free memory."""
+    parts = []
+    for svc in config.service:
+        parts.append((f"{svc.name} primary", svc.kv_memory_bytes))
+        if svc.standbys:
+            parts.append((f"{svc.name} {svc.standbys} standby(s)", svc.standbys * standby_bytes(svc, config.model)))
+    kv = sum(size for _, size in parts)
     weights = sum(f.stat().st_size for f in Path(config.model.path).glob("*.safetensors"))
     if config.model.device == "cpu":
         free, where = memory.free_bytes("cpu"), "MemAvailable in /proc/meminfo"
@@ -90,8 +117,14 @@ def _check_memory(config: Config) -> list[str]:
     if free is None or kv + weights <= free:
         return []
     gib = 1 << 30
-    return [f"service[*].kv_memory: the instances' KV budgets ({kv / gib:.1f} GiB) plus the weights "
-            f"({weights / gib:.1f} GiB) exceed {where} ({free / gib:.1f} GiB); lower kv_memory or standbys"]
+    shares = ", ".join(f"{name} {size / gib:.2f}" for name, size in parts)
+    return [f"service[*].kv_memory: the instances' KV budgets ({kv / gib:.2f} GiB: {shares}) plus the "
+            f"weights ({weights / gib:.2f} GiB) exceed {where} ({free / gib:.2f} GiB) by "
+            f"{(kv + weights - free) / gib:.2f} GiB; lower kv_memory, standby_kv_memory or standbys"]
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
 
 
 def _live_supervisor(run: Path) -> int | None:

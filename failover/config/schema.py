@@ -122,7 +122,11 @@ class ServiceConfig(_Base):
     priority: int = 0
     kind: Literal["online", "batch"] = "online"
     standbys: Annotated[int, msgspec.Meta(ge=0)] = 1
-    kv_memory: int | str = "256MiB"
+    kv_memory: int | str = "256MiB"  # the primary's KV pool (per rank)
+    # a standby's pool until it is promoted (then grown to kv_memory); default kv_memory/16, at least
+    # one sequence of the longest context (failover.config.kv)
+    standby_kv_memory: int | str | None = None
+    max_model_len: PositiveInt | None = None  # cap on prompt + completion tokens (default: the model's)
     port: Port | None = None  # first port; instances take port, port+1, ... (1 + standbys of them)
     port_range: tuple[Port, Port] | None = None  # inclusive [first, last]
     max_batch: PositiveInt = 16
@@ -133,6 +137,10 @@ class ServiceConfig(_Base):
     @property
     def kv_memory_bytes(self) -> int:
         return parse_size(self.kv_memory)
+
+    @property
+    def standby_kv_memory_bytes(self) -> int | None:
+        return None if self.standby_kv_memory is None else parse_size(self.standby_kv_memory)
 
     @property
     def instances(self) -> int:
@@ -226,6 +234,21 @@ def _check_router(r: RouterConfig) -> list[str]:
     return problems
 
 
+def _check_standby_kv(key: str, svc: ServiceConfig) -> list[str]:
+    if svc.standby_kv_memory is None:
+        return []
+    try:
+        standby = svc.standby_kv_memory_bytes
+    except ValueError as e:
+        return [f"{key}.standby_kv_memory: {e}"]
+    if svc.kind == "batch":
+        return [f"{key}.standby_kv_memory: a batch service has no standbys; remove it"]
+    if standby > svc.kv_memory_bytes:
+        return [f"{key}.standby_kv_memory: {svc.standby_kv_memory!r} is more than kv_memory "
+                f"({svc.kv_memory!r}); a standby's pool is at most the primary's"]
+    return []
+
+
 def _check_services(config: Config) -> list[str]:
     problems: list[str] = []
     if not config.service:
@@ -245,6 +268,8 @@ def _check_services(config: Config) -> list[str]:
             svc.kv_memory_bytes
         except ValueError as e:
             problems.append(f"{key}.kv_memory: {e}")
+        else:
+            problems += _check_standby_kv(key, svc)
         if svc.kind == "batch" and svc.standbys:
             problems.append(f"{key}.standbys: a batch service has no standbys; set 0")
         if svc.kind == "batch" and svc.batch is None:

@@ -15,6 +15,7 @@ import aiohttp
 import structlog
 
 from failover.config.argv import engine_argv, external_argv
+from failover.config.kv import standby_bytes
 from failover.config.schema import Config, ServiceConfig
 from failover.procs import slots
 from failover.procs.slots import Slot
@@ -36,13 +37,16 @@ class EngineStarter:
         self.cold = False  # set at shutdown: no more forks from the zygote
 
     async def launch(self, slot: Slot, svc: ServiceConfig, reason: str,
-                     on_exit: Callable[[Child], None]) -> None:
-        """Start ``slot``'s process and wait for its /ready; raises ChildFailed (process ended)."""
-        slot.change(slots.STARTING, reason, launch=self.sup.launch, attempt=slot.launches + 1)
+                     on_exit: Callable[[Child], None], *, primary: bool) -> None:
+        """Start ``slot``'s process and wait for its /ready; raises ChildFailed (process ended).
+        A primary (or a batch engine) gets the full KV budget, a standby its small one."""
+        kv = svc.kv_memory_bytes if primary or svc.kind == "batch" else standby_bytes(svc, self.config.model)
+        slot.kv_target, slot.kv_bytes = kv, None
+        slot.change(slots.STARTING, reason, launch=self.sup.launch, attempt=slot.launches + 1, kv_bytes=kv)
         slot.launches += 1
         slot.ready_at, slot.ready_info = None, {}
         try:
-            child = await self._start_process(slot, svc, on_exit)
+            child = await self._start_process(slot, svc, on_exit, kv)
         except OSError:
             slot.change(slots.STOPPED, "launch failed")
             raise
@@ -59,14 +63,15 @@ class EngineStarter:
             await slot.stop("not ready", self.sup.stop_timeout)  # never became ready, or we gave up on it
             raise
         slot.ready_at, slot.ready_info = time.monotonic(), info
+        slot.kv_bytes = info.get("kv_bytes") if isinstance(info.get("kv_bytes"), int) else None
         slot.change(slots.RUNNING, "ready", pid=child.pid, weights_source=info.get("weights_source"),
                     ready_ms=round((slot.ready_at - slot.launched_at) * 1e3, 1))
 
-    async def _start_process(self, slot: Slot, svc: ServiceConfig, on_exit) -> Child:
+    async def _start_process(self, slot: Slot, svc: ServiceConfig, on_exit, kv: int) -> Child:
         if svc.command is not None:
             return processes.spawn(slot.name, external_argv(self.config, svc, slot.name, slot.port),
                                    on_exit=on_exit, stdout=self.child_output)
-        argv = engine_argv(self.config, svc, slot.port)
+        argv = engine_argv(self.config, svc, slot.port, kv)
         if self.sup.launch == "zygote" and not self.cold:
             try:
                 return await self.zygote.fork(slot.name, argv, on_exit=on_exit)

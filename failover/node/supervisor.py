@@ -30,7 +30,9 @@ from failover.coserve.status import BatchCollector, report
 from failover.procs import slots
 from failover.node.bridge import NodeLauncher, NodeRouter, router_config
 from failover.node.daemon import CacheDaemon
+from failover.config.kv import standby_bytes
 from failover.node.engines import EngineStarter
+from failover.node.kv_pools import PoolSizer
 from failover.node.run_dir import RunDir
 from failover.procs.slots import Slot
 from failover.procs import child as processes
@@ -60,9 +62,12 @@ class Supervisor:
         self.daemon = CacheDaemon(config, stdout=child_output, progress=self.progress)
         self.zygote = launch.Zygote(on_exit=self._zygote_exited, stdout=child_output, device=config.model.device)
         self.engines = EngineStarter(config, self.zygote, child_output=child_output, progress=self.progress)
+        self.pools = PoolSizer(config.engine_token_path, lambda: self.engines.session, self._make_room)
         launcher = NodeLauncher(fence=self.fence, is_batch=self.is_batch, preempt=self.preempt, resume=self.resume)
         self.router = NodeRouter(router_config(config), launcher, describe=self._describe,
                                  before_resume=self._before_resume, retire=self._retire)
+        self.router.watch_roles(self._role_changed)
+        self.kv_grown: dict[str, float] = {}  # instance -> ms from its promotion to its full pool
         # batch services: their runners and when they get out of the way
         self.coserve = Coserver(config, self.slots, NodeHooks(spawn=self.background, fail_service=self.fail_service,
                                                               release=self.release, progress=self.progress),
@@ -87,7 +92,8 @@ class Supervisor:
         self.coserve.open()  # batch files first: a batch that cannot write its output never starts
         launching = [slot for slot in self.slots.values() if not slot.hold]
         self.progress(f"launching {len(launching)} engine(s)")
-        await asyncio.gather(*(self._launch(slot, "initial") for slot in launching))
+        firsts = {svc.slot_names()[0] for svc in self.config.service}  # registered as primaries below
+        await asyncio.gather(*(self._launch(slot, "initial", primary=slot.name in firsts) for slot in launching))
         lost = [s.name for s in launching if s.state != slots.RUNNING]
         if lost:  # one became ready and then died while the others were still starting
             raise ChildFailed(f"{', '.join(lost)} exited during startup; see the engine log above")
@@ -114,9 +120,9 @@ class Supervisor:
         for pid in processes.reap_orphans():
             log.info("orphan_reaped", pid=pid)
 
-    async def _launch(self, slot: Slot, reason: str) -> None:
+    async def _launch(self, slot: Slot, reason: str, *, primary: bool = False) -> None:
         await self.engines.launch(slot, self.services[slot.service], reason,
-                                  on_exit=lambda child: self._exited(slot, child))
+                                  on_exit=lambda child: self._exited(slot, child), primary=primary)
 
     def _register(self, slot: Slot, role: str = states.STANDBY) -> None:
         """Tell the router about a ready slot (new, relaunched, or resumed in place)."""
@@ -179,6 +185,28 @@ class Supervisor:
                  ready_ms=round((slot.ready_at - (slot.launched_at or evicted)) * 1e3, 1),
                  weights_source=slot.ready_info.get("weights_source"), launch=self.sup.launch)
         self._register(slot, states.STANDBY)
+
+    # -- KV pools follow the roles (failover.node.kv_pools) ---------------------------------------
+    def _role_changed(self, inst, old: str, new: str, reason: str) -> None:
+        slot, svc = self.slots.get(inst.name), self.services.get(inst.service)
+        if slot is None or svc is None or svc.kind != "online" or svc.command is not None or self.stopping:
+            return
+        if new == states.PRIMARY and (slot.kv_bytes or 0) < svc.kv_memory_bytes:
+            self.kv_grown.pop(inst.name, None)
+            self.pools.want(slot, svc.kv_memory_bytes, f"promoted: {reason}",
+                            done=lambda elapsed: self._pool_grown(inst.service, inst.name, elapsed))
+        elif new == states.STANDBY and old in (states.PRIMARY, states.DRAINING) and slot.pid is not None:
+            self.pools.want(slot, standby_bytes(svc, self.config.model), f"back to standby: {reason}")
+
+    def _pool_grown(self, service: str, instance: str, elapsed: float) -> None:
+        """The promoted instance holds its full pool: the time goes into the failover's record
+        (status' ``last_failover``; the growth may end before or after the router writes it)."""
+        self.kv_grown[instance] = round(elapsed * 1e3, 1)
+        log.info("promoted_pool_grown", service=service, instance=instance, kv_grown_ms=round(elapsed * 1e3, 1),
+                 kv_bytes=self.slots[instance].kv_bytes)
+
+    async def _make_room(self, service: str) -> None:
+        await self.coserve.make_room(self.services[service])
 
     def fail_service(self, service: str, why: str) -> None:
         """Give ``service`` up, loudly: its slots are not replaced until an operator resumes it."""
@@ -297,6 +325,11 @@ class Supervisor:
                 if slot is not None and slot.pid is not None and slot.launched_at is not None:
                     inst["uptime_s"] = round(now - slot.launched_at, 1)
                     inst["weights_source"] = slot.ready_info.get("weights_source")
+                    inst["kv_bytes"], inst["kv_target_bytes"] = slot.kv_bytes, slot.kv_target
+        for record in (doc.get("last_failover") or {}).values():
+            grown = self.kv_grown.get(record.get("new"))
+            if grown is not None:
+                record["kv_grown_ms"] = grown
         doc["supervisor"] = self.status()
         return doc
 
@@ -324,6 +357,7 @@ class Supervisor:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.pools.stop()
         self.coserve.close()  # the batch runners are stopped: their result files
         # 2. The router stops taking requests and lets in-flight ones finish (its shutdown_timeout).
         await self.router.stop()

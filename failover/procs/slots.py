@@ -76,6 +76,8 @@ class Slot:
     hold: bool = False  # preempted or drained by an operator: do not replace
     task: asyncio.Task | None = None  # its launch or replacement under way (the supervisor's)
     then: str = HOLD  # what the exit of the process being stopped means (HOLD, RECYCLE, FAIL)
+    kv_bytes: int | None = None  # its engine's KV pool now (from /ready, then each resize)
+    kv_target: int | None = None  # the pool its role calls for (failover.node.kv_pools)
 
     @property
     def url(self) -> str:
@@ -115,4 +117,5 @@ class Slot:
                 "launches": self.launches, "hold": self.hold,
                 "uptime_s": round(now - self.launched_at, 1) if self.launched_at and self.pid else None,
                 "weights_source": self.ready_info.get("weights_source"),
+                "kv_bytes": self.kv_bytes, "kv_target_bytes": self.kv_target,
                 "last_relaunch_ms": None if self.last_relaunch_s is None else round(self.last_relaunch_s * 1e3, 1)}
