@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
+import json
 import os
 import platform
 import signal
@@ -154,6 +156,9 @@ async def fault_phase(model: Path, logs: Path, args: argparse.Namespace, sig: in
         stop.set()
         await runner
         result = summary(load.outcomes, faults, time.monotonic() - t_start)
+        if args.dump:
+            dump = {"faults": faults, "router": records, "outcomes": [dataclasses.asdict(o) for o in load.outcomes]}
+            Path(f"{args.dump}.{signal.Signals(sig).name}.json").write_text(json.dumps(dump))
     finally:
         await router.stop()
         launcher.stop_all()
@@ -305,6 +310,8 @@ def main() -> int:
     p.add_argument("--overhead-n", type=int, default=300, help="sequential requests per side (0: skip)")
     p.add_argument("--rps-seconds", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dump", metavar="PREFIX", help="write faults, the router's records and every client "
+                   "record to PREFIX.SIGKILL.json / PREFIX.SIGSTOP.json")
     return asyncio.run(main_async(p.parse_args()))
 
 

@@ -36,6 +36,7 @@ class Outcome:
     ttft: float | None = None
     max_gap: float = 0.0  # longest pause between two chunks of a stream
     tokens: list[float] = field(default_factory=list)  # when each token-carrying event arrived (streams)
+    instance: str = ""  # X-Failover-Instance: who answered (a migrated stream: who started it)
 
 
 @dataclass(slots=True)
@@ -75,6 +76,7 @@ class Load:
         out = Outcome(start=time.monotonic(), end=0.0, ok=False, stream=stream, chat=chat)
         try:
             async with session.post(self.base_url + path, json=body) as r:
+                out.instance = r.headers.get("X-Failover-Instance", "")
                 if r.status != 200:
                     out.error = f"http {r.status}"
                     return out
