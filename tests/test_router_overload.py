@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -17,7 +18,8 @@ import pytest
 
 from router import states
 from router.config import RouterConfig
-from router_helpers import KillLauncher, client, counter, reference, running_router, start_engines, wait_for
+from router_helpers import (KillLauncher, client, counter, kill, reference, running_router, start_engines,
+                            wait_for)
 
 pytestmark = pytest.mark.asyncio
 
@@ -81,6 +83,28 @@ async def test_a_one_second_stall_of_the_routers_loop_fences_nothing(engines):
         assert _roles(router) == {"eng-a": states.PRIMARY, "eng-b": states.STANDBY}
         assert counter(router, "failover_router_failovers_total") == 0
         assert counter(router, "failover_router_probes_discounted_total") >= 4  # they did time out
+        c = client(router)
+        assert (await reference(c, prompts=["Hello, world!"]))["Hello, world!"].token_ids
+        await c.close()
+
+
+async def test_the_last_ready_instance_is_not_fenced_for_being_slow_until_a_standby_is_ready(engines):
+    """A primary whose probes time out (SIGSTOP: slow or hung, nobody can tell yet) with no standby
+    is kept: fencing it would leave nothing. Once a standby is ready, it is failed over at once."""
+    a, b = engines
+    launcher = KillLauncher(engines)
+    async with running_router(RouterConfig(port=0), launcher, primary=a) as router:
+        svc = router.services["tiny"]
+        await wait_for(lambda: svc.routable() is not None, timeout=20, what="primary ready")
+        kill(a.proc, signal.SIGSTOP)
+        try:
+            await wait_for(lambda: svc.instances["eng-a"].failures >= 4, timeout=10, what="probe timeouts")
+            assert launcher.fenced == [] and svc.instances["eng-a"].role == states.PRIMARY
+            router.add_instance("tiny", b.name, b.url, "standby", b.proc.pid)
+            await wait_for(lambda: svc.primary is svc.instances["eng-b"], timeout=10, what="failover to eng-b")
+            assert launcher.fenced == ["eng-a"]
+        finally:
+            kill(a.proc, signal.SIGCONT)
         c = client(router)
         assert (await reference(c, prompts=["Hello, world!"]))["Hello, world!"].token_ids
         await c.close()
