@@ -125,6 +125,12 @@ class Router:
             return
         self.promoter.instance_exited(inst, returncode)
 
+    async def failover_settled(self, service: str) -> None:
+        """Returns once the requests the last failover of ``service`` broke have resumed on the new
+        primary (at most ``replace_settle_timeout``). A launcher that replaces an exited engine by
+        itself should await this first: the replacement's start competes for the same CPU/GPU."""
+        await self.promoter.settled(self._service(service))
+
     def _on_probe(self, inst: Instance, generation: int, ok: bool, why: str, latency: float) -> None:
         self.promoter.on_probe(inst, generation, ok, why, latency)
 
