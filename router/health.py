@@ -28,6 +28,10 @@ from router.looplag import LoopLag
 
 log = structlog.get_logger(__name__)
 
+# The ``why`` of a probe that timed out: slow, perhaps hung, not known dead (promotion.py treats it
+# apart: the last ready instance is never fenced for it).
+PROBE_TIMEOUT = "timeout"
+
 # on_result(instance, generation, ok, why, latency_s)
 ResultFn = Callable[[Instance, int, bool, str, float], None]
 
@@ -98,14 +102,14 @@ class HealthMonitor:
                     await resp.read()
                     ok, why = resp.status == 200, f"status {resp.status}"
         except TimeoutError:
-            why = "timeout"  # promotion.PROBE_TIMEOUT: slow, not (yet) known dead
+            why = PROBE_TIMEOUT
         except (aiohttp.ClientError, OSError) as exc:
             why = f"{type(exc).__name__}: {exc}"
         finally:
             self._pending[inst] -= 1
             if not self._pending[inst]:
                 del self._pending[inst]
-        if why == "timeout" and (lag := self.lag.lag_since(t0)) > self.config.loop_lag_tolerance:
+        if why == PROBE_TIMEOUT and (lag := self.lag.lag_since(t0)) > self.config.loop_lag_tolerance:
             log.warning("probe_discounted", service=inst.service, instance=inst.name,
                         loop_lag_ms=round(lag * 1e3, 1), tolerance_ms=round(self.config.loop_lag_tolerance * 1e3, 1))
             if self.on_discount is not None:

@@ -22,6 +22,7 @@ from router import states
 from router.backend import Instance, Service
 from router.config import RouterConfig
 from router.errors import AdminError
+from router.health import PROBE_TIMEOUT  # fails a primary only when a ready standby can take over
 from router.launcher import Launcher
 from router.metrics import Metrics
 
@@ -33,9 +34,6 @@ FATAL_KINDS = frozenset({"garbage", "stall"})
 SUSPECT_KINDS = frozenset({"connect", "reset", "unavailable"})
 # A connect that timed out: the engine's backlog is full (overload), which is no sign of death.
 SLOW_KINDS = frozenset({"slow"})
-# A probe's verdict for a probe that timed out: slow, maybe hung. It fails a primary only when a
-# ready standby can take over; the last ready instance is never fenced for being slow.
-PROBE_TIMEOUT = "timeout"
 
 
 @dataclass(slots=True)
