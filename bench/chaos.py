@@ -14,7 +14,8 @@ slot running, daemon ready, zygote up); the time that takes is the fault's recov
 Report (printed; ``--json PATH`` writes it too): requests sent and failed (by client and cause, and
 by the fault just before), streams migrated (the router's ``failover_router_migrations_total``),
 p50/p99 latency of requests overlapping [fault, fault + 2 s] vs the others, the client-seen blackout
-of every primary fault (bench/loadgen.blackouts), the daemon's resident bytes after every daemon
+of every primary fault (bench/client_figures: first token to any client, the worst in-flight
+client's wait, the longest stall inside a stream), the daemon's resident bytes after every daemon
 restart vs its baseline, and after a clean shutdown: leftover processes, run-dir files, memfds and
 arena mappings. Exit 0 when nothing failed and nothing leaked.
 """

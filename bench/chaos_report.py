@@ -7,7 +7,9 @@ import bisect
 import os
 import sys
 
-from loadgen import Outcome, blackouts, percentile
+from client_figures import fault_figures, percentile, summarize
+from client_figures import line as client_line
+from loadgen import Outcome
 
 FAULT_WINDOW = 2.0  # a request overlapping [fault, fault + 2 s] counts as "during a fault"
 
@@ -47,7 +49,9 @@ def build(s, load, sdk, quitters, m0: dict, m1: dict, quiesce: dict, elapsed: fl
         for kind in kinds_during(o) if o.ok else ():
             per_kind.setdefault(kind, []).append(o.end - o.start)
     primary = [f for f in s.faults if f.target == "primary"]
-    bo = blackouts(load.progress, [f.at for f in primary])
+    records = [o for _, o in everything]
+    per_fault = fault_figures(records, [f.at for f in primary])
+    bo = [f.first_token_ms / 1e3 for f in per_fault if f.first_token_ms is not None]
     kinds: dict[str, dict] = {}
     for f in s.faults:
         k = kinds.setdefault(f.kind, {"n": 0, "recovery_s": []})
@@ -91,7 +95,8 @@ def build(s, load, sdk, quitters, m0: dict, m1: dict, quiesce: dict, elapsed: fl
         "blackout": {"per_primary_fault_ms": [round(b * 1e3, 1) for b in bo], **_pct(bo),
                      "max_ms": round(max(bo) * 1e3, 1) if bo else None,
                      "router_ms": [f.detail["router"]["blackout_ms"] if "router" in f.detail else None for f in primary],
-                     "longest_stream_stall_ms": round(max((o.max_gap for o in streams), default=0.0) * 1e3, 1)},
+                     "longest_stream_stall_ms": round(max((o.max_gap for o in streams), default=0.0) * 1e3, 1),
+                     "client": summarize(per_fault)},
         "faults": {"injected": len(s.faults), "skipped": s.skipped, "by_kind": dict(sorted(kinds.items())),
                    "batch": "on" if use_batch else "off",
                    "problems": [f"{f.kind} t={f.at - s.t0:.1f}s: {p}" for f in s.faults for p in f.problems],
@@ -129,6 +134,7 @@ def render(r: dict) -> str:
     lines.append(f"blackout per primary fault: n={bo['n']} p50={bo['p50_ms']}ms p99={bo['p99_ms']}ms "
                  f"max={bo['max_ms']}ms longest_stream_stall={bo['longest_stream_stall_ms']}ms")
     lines.append(f"  all (client side, fault -> first token or answer): {bo['per_primary_fault_ms']}")
+    lines.append("  " + client_line("primary faults", bo["client"]))
     lines.append(f"  router's record (last good of old -> first good of new; None: no failover, the freeze "
                  f"ended before detection): {bo['router_ms']}")
     lines.append(f"faults: injected={fa['injected']} skipped={len(fa['skipped'])} batch={fa['batch']}")

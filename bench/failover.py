@@ -13,16 +13,20 @@ load settle, then kill -9s the primary. ``--no-exit-notice`` leaves detection to
 active probe can see it. Overhead phase: a standalone ``failover router`` process in front of one
 engine, direct vs through it, sequential latency and closed-loop requests/s.
 
-Blackout, router side: last good response (or stream chunk) of the old primary to the first good
-one of the new (recorded by the router per failover). Client side: the kill to the first token or
-answer any client received after it, and the longest pause inside any one stream.
+Blackout, client side (bench/client_figures.py, from each request's own timestamps): per fault, the
+fault to the first token or answer any client received after it, the worst in-flight client's wait
+for its next token, and the longest stall inside a stream in flight at the fault; p50/p99/max over
+the faults. Router side, printed beside it: last good response (or stream chunk) of the old primary
+to the first good one of the new (recorded by the router per failover).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
+import json
 import os
 import platform
 import signal
@@ -38,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines import EngineProc, free_port  # noqa: E402
+from client_figures import line as client_line  # noqa: E402
 from loadgen import Load, percentile, summary  # noqa: E402
 
 SERVICE = "default"
@@ -150,7 +155,10 @@ async def fault_phase(model: Path, logs: Path, args: argparse.Namespace, sig: in
         await asyncio.sleep(args.settle)
         stop.set()
         await runner
-        result = summary(load.outcomes, load.progress, faults, time.monotonic() - t_start)
+        result = summary(load.outcomes, faults, time.monotonic() - t_start)
+        if args.dump:
+            dump = {"faults": faults, "router": records, "outcomes": [dataclasses.asdict(o) for o in load.outcomes]}
+            Path(f"{args.dump}.{signal.Signals(sig).name}.json").write_text(json.dumps(dump))
     finally:
         await router.stop()
         launcher.stop_all()
@@ -251,8 +259,8 @@ def report(name: str, r: dict) -> None:
     print(f"{name}: fault -> detected p50={r['detect_p50_ms']} ms p99={r['detect_p99_ms']} ms; "
           f"fault -> first good response of the new primary p50={r['recover_p50_ms']} ms "
           f"p99={r['recover_p99_ms']} ms")
-    print(f"{name}: client blackout p50={r['blackout_p50_ms']} ms p99={r['blackout_p99_ms']} ms "
-          f"(fault -> first token to any client); longest stall inside a stream={r['longest_stream_stall_ms']} ms; "
+    print(client_line(name, r["client"]))
+    print(f"{name}: longest stall inside any stream of the run={r['longest_stream_stall_ms']} ms; "
           f"latency p50={r['latency_p50_ms']} ms p99={r['latency_p99_ms']} ms")
     if r["failed_by_cause"]:
         print(f"{name}: failed by cause {r['failed_by_cause']}")
@@ -302,6 +310,8 @@ def main() -> int:
     p.add_argument("--overhead-n", type=int, default=300, help="sequential requests per side (0: skip)")
     p.add_argument("--rps-seconds", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dump", metavar="PREFIX", help="write faults, the router's records and every client "
+                   "record to PREFIX.SIGKILL.json / PREFIX.SIGSTOP.json")
     return asyncio.run(main_async(p.parse_args()))
 
 

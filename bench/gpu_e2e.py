@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from attach import write_model  # noqa: E402
+from client_figures import fault_figures  # noqa: E402
 from loadgen import Load  # noqa: E402
 
 from failover_common.logs import configure_logging  # noqa: E402
@@ -197,8 +198,11 @@ async def failover_round(sup, report: dict) -> None:
     await asyncio.sleep(2.0)
     stop.set()
     await runner
-    first = min((p for p in load.progress if p > killed), default=None)
-    report["crash_blackout_ms"] = round(1e3 * (first - killed), 1) if first else None
+    fig = fault_figures(load.outcomes, [killed])[0]  # one fault: the figures themselves, no percentiles
+    report["crash_blackout_ms"] = None if fig.first_token_ms is None else round(fig.first_token_ms, 1)
+    report["crash_worst_client_wait_ms"] = None if fig.worst_wait_ms is None else round(fig.worst_wait_ms, 1)
+    report["crash_longest_stream_stall_ms"] = None if fig.longest_stall_ms is None else round(fig.longest_stall_ms, 1)
+    report["crash_inflight_failed"] = f"{fig.failed} of {fig.inflight}"
     report["router_failover"] = json.dumps(sup.router.promoter.last_failover, default=str)
     report["requests"] = len(load.outcomes)
     report["failed"] = sum(not o.ok for o in load.outcomes)

@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from client_figures import fault_figures, percentile, requests_summary, summarize
+
+__all__ = ["PROMPTS", "Load", "Outcome", "percentile", "summary"]
+
 PROMPTS = [
     "The quick brown fox", "A hot standby takes over", "Weights stay resident", "Hello, world!",
     "one two three four", "def main():", "Failover in well under", "The primary engine fails",
@@ -31,6 +35,8 @@ class Outcome:
     error: str = ""
     ttft: float | None = None
     max_gap: float = 0.0  # longest pause between two chunks of a stream
+    tokens: list[float] = field(default_factory=list)  # when each token-carrying event arrived (streams)
+    instance: str = ""  # X-Failover-Instance: who answered (a migrated stream: who started it)
 
 
 @dataclass(slots=True)
@@ -43,7 +49,6 @@ class Load:
     model: str = ""  # learned from /v1/models
     expected: dict = field(default_factory=dict)  # (prompt, chat) -> greedy text
     outcomes: list[Outcome] = field(default_factory=list)
-    progress: list[float] = field(default_factory=list)  # when any answer or stream chunk arrived
 
     def body(self, prompt: str, chat: bool, stream: bool) -> tuple[str, dict]:
         b = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0.0, "stream": stream}
@@ -71,6 +76,7 @@ class Load:
         out = Outcome(start=time.monotonic(), end=0.0, ok=False, stream=stream, chat=chat)
         try:
             async with session.post(self.base_url + path, json=body) as r:
+                out.instance = r.headers.get("X-Failover-Instance", "")
                 if r.status != 200:
                     out.error = f"http {r.status}"
                     return out
@@ -81,7 +87,6 @@ class Load:
                 out.error = "wrong text (repeated or missing tokens)"
             else:
                 out.ok = True
-                self.progress.append(time.monotonic())
         except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, KeyError) as e:
             out.error = type(e).__name__
         finally:
@@ -107,8 +112,9 @@ class Load:
                 piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                 if piece:
                     out.ttft = out.ttft or now - out.start
-                    self.progress.append(now)
                     parts.append(piece)
+                    if not out.tokens or out.tokens[-1] != now:
+                        out.tokens.append(now)
         return None
 
     async def run(self, concurrency: int, stop: asyncio.Event, timeout: float = 60.0) -> None:
@@ -120,41 +126,18 @@ class Load:
             await asyncio.gather(*(worker(i) for i in range(concurrency)))
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
-
-
-def blackouts(progress: list[float], faults: list[float]) -> list[float]:
-    """Per fault: time from the fault to the first token or answer any client received after it.
-
-    The killed engine can send nothing after its death, so the first progress after a fault comes
-    from whichever engine took over: this is the blackout a client population sees.
-    """
-    ends = sorted(progress)
-    result = []
-    for t in faults:
-        after = [e for e in ends if e > t]
-        if after:
-            result.append(after[0] - t)
-    return result
-
-
-def summary(outcomes: list[Outcome], progress: list[float], faults: list[float], elapsed: float) -> dict:
+def summary(outcomes: list[Outcome], faults: list[float], elapsed: float) -> dict:
+    """Whole-run counts and latency, and the client-seen figures around each fault (client_figures)."""
     failed = [o for o in outcomes if not o.ok]
     causes: dict[str, int] = {}
     for o in failed:
         causes[o.error] = causes.get(o.error, 0) + 1
     lat = [o.end - o.start for o in outcomes if o.ok]
-    bo = blackouts(progress, faults)
-    return {
-        "requests": len(outcomes), "failed": len(failed), "failed_by_cause": causes,
-        "broken_streams": sum(1 for o in failed if o.stream),
+    figures = summarize(fault_figures(outcomes, faults))
+    return requests_summary(outcomes) | {
+        "failed_by_cause": causes,
         "rps": round(len(outcomes) / elapsed, 1) if elapsed else 0.0,
         "latency_p50_ms": round(percentile(lat, 50) * 1e3, 1), "latency_p99_ms": round(percentile(lat, 99) * 1e3, 1),
-        "blackout_p50_ms": round(percentile(bo, 50) * 1e3, 1), "blackout_p99_ms": round(percentile(bo, 99) * 1e3, 1),
-        "longest_stream_stall_ms": round(max((o.max_gap for o in outcomes if o.stream), default=0.0) * 1e3, 1),
-        "faults": len(faults), "mean_latency_ms": round(statistics.fmean(lat) * 1e3, 1) if lat else None,
+        "blackout_p50_ms": figures["first_token_ms"]["p50"], "blackout_p99_ms": figures["first_token_ms"]["p99"],
+        "client": figures, "mean_latency_ms": round(statistics.fmean(lat) * 1e3, 1) if lat else None,
     }

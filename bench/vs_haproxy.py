@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines import EngineProc, free_port  # noqa: E402
+from client_figures import line as client_line  # noqa: E402
 from loadgen import Load, percentile, summary  # noqa: E402
 
 HAPROXY_CFG = """
@@ -80,7 +81,7 @@ async def drive(load: Load, kills: int, interval: float, concurrency: int, kill_
         await asyncio.sleep(interval)
     stop.set()
     await runner
-    return summary(load.outcomes, load.progress, faults, time.monotonic() - t0)
+    return summary(load.outcomes, faults, time.monotonic() - t0)
 
 
 async def phase_router(model: Path, args, logs: Path) -> dict:
@@ -173,6 +174,8 @@ def print_report(ours: dict, theirs: dict) -> None:
         a, b = ours.get(k), theirs.get(k)
         ratio = f"{b / a:.1f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a > 0 else "-"
         print(f"{k:<26}{a!s:>18}{b!s:>12}{ratio:>10}")
+    print(client_line("failover router", ours["client"]))
+    print(client_line("haproxy", theirs["client"]))
     print("failed_by_cause  router:", json.dumps(ours["failed_by_cause"]), " haproxy:", json.dumps(theirs["failed_by_cause"]))
 
 

@@ -12,9 +12,12 @@ either limit closes its connection with an error. A bad frame ends only its own 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
+import resource
 import signal
 import socket
+import time
 from dataclasses import dataclass, field
 
 import structlog
@@ -31,6 +34,12 @@ from .settings import DaemonSettings
 log = structlog.get_logger(__name__)
 STOP_TIMEOUT_S = 5.0  # per shutdown step
 RESYNCABLE = ("unknown_type", "malformed")  # the whole frame was read: the stream is still in step
+# accept() failing for want of fds or kernel memory: the listener is fine, we are out of room. Wait
+# for connections to close (they free fds) rather than die: without a backoff the listener, still
+# readable, would spin the loop; without the catch the accept task ended silently and the daemon
+# never answered again while it looked alive.
+ACCEPT_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_BACKOFF_S = (0.01, 0.5)  # first retry, cap (doubling in between)
 
 
 @dataclass(eq=False)
@@ -39,6 +48,43 @@ class _Conn:
     pid: int
     uid: int
     attached: list[Resident] = field(default_factory=list)
+
+
+class _Starvation:
+    """Bookkeeping of one burst of failed accepts: logged once when it starts and once when it ends."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+        self.count = 0
+        self.delay = ACCEPT_BACKOFF_S[0]
+
+    def failed(self, e: OSError) -> float:
+        """Note a failed accept; returns how long to wait before the next one."""
+        if isinstance(e, ConnectionAbortedError):
+            return 0.0
+        if self.since is None:
+            self.since, self.count, self.delay = time.monotonic(), 0, ACCEPT_BACKOFF_S[0]
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            log.error("accept_starved", errno=errno.errorcode.get(e.errno, e.errno), error=e.strerror,
+                      open_fds=_open_fds(), fd_limit=soft,
+                      hint="new clients wait in the backlog until connections close; raise the fd "
+                           "limit (ulimit -n / LimitNOFILE) if this recurs")
+        self.count += 1
+        delay, self.delay = self.delay, min(self.delay * 2, ACCEPT_BACKOFF_S[1])
+        return delay
+
+    def recovered(self) -> None:
+        if self.since is not None:
+            log.warning("accept_recovered", failed_accepts=self.count,
+                        starved_ms=round((time.monotonic() - self.since) * 1e3, 1))
+            self.since = None
+
+
+def _open_fds() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # listing needs an fd too, which is what we are short of
+        return None
 
 
 class Daemon:
@@ -66,6 +112,7 @@ class Daemon:
         log.info("daemon_listening", socket=str(self.s.socket_path), pid=os.getpid(), model=str(self.s.model),
                  tp=self.s.tp, device=self.s.device, transform=self.s.transform)
         accept = asyncio.create_task(self._accept_loop(), name="accept")
+        accept.add_done_callback(self._accept_ended)
         load = asyncio.create_task(self._load(), name="load")
         await self._stop.wait()
         await self._shutdown(accept, load)
@@ -112,12 +159,29 @@ class Daemon:
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        starved = _Starvation()
         while True:
-            sock, _ = await loop.sock_accept(self._listener)
+            try:
+                sock, _ = await loop.sock_accept(self._listener)
+            except OSError as e:
+                if e.errno not in ACCEPT_RESOURCE_ERRNOS and not isinstance(e, ConnectionAbortedError):
+                    raise
+                await asyncio.sleep(starved.failed(e))  # a peer that gave up (ECONNABORTED) costs 0
+                continue
+            starved.recovered()
             sock.setblocking(False)
             task = asyncio.create_task(self._serve(sock))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def _accept_ended(self, task: asyncio.Task) -> None:
+        """The accept loop never ends but by cancel: anything else would leave a daemon that looks
+        alive and answers nobody, so it stops the daemon (exit 1) for its supervisor to restart."""
+        if task.cancelled() or self._stop.is_set():
+            return
+        exc = task.exception()
+        log.error("accept_loop_failed", error=repr(exc), hint="the daemon stops; its supervisor restarts it")
+        self.stop("accept loop failed", exit_code=1)
 
     async def _serve(self, sock: socket.socket) -> None:
         pid, uid, _ = peer_credentials(sock)

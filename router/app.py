@@ -28,6 +28,7 @@ from router.config import RouterConfig
 from router.errors import AdminError
 from router.health import HealthMonitor
 from router.launcher import Launcher, NullLauncher
+from router.looplag import LoopLag
 from router.metrics import CONTENT_TYPE, Metrics
 from router.promotion import Promoter
 from router.proxy import Proxy, error_body
@@ -41,7 +42,9 @@ class Router:
         self.launcher = launcher if launcher is not None else NullLauncher()
         self.services: dict[str, Service] = {}
         self.metrics = Metrics()
-        self.health = HealthMonitor(config, self._on_probe)
+        self.lag = LoopLag(self.metrics.loop_lag.observe)
+        self.health = HealthMonitor(config, self._on_probe, self.lag,
+                                    lambda inst, lag: self.metrics.probes_discounted.labels(inst.service, inst.name).inc())
         # Without a launcher nobody relaunches a fenced instance: it goes to STOPPED, not RELAUNCHING.
         self.promoter = Promoter(config, self.services, self.launcher, launcher is not None,
                                  self.metrics, self.health.confirm)
@@ -64,7 +67,8 @@ class Router:
                              f"add {name!r} as a standby and promote it")
         inst = self._find(name)
         if inst is None:
-            inst = Instance(service, name, url, role, pid)
+            inst = Instance(service, name, url, role, pid, self.config.max_upstream,
+                            self.config.upstream_queue_size)
             svc.instances[name] = inst
             log.info("instance_added", service=service, instance=name, url=inst.url, role=role, pid=pid)
             self.metrics.set_role(service, name, role)
@@ -165,6 +169,12 @@ class Router:
             return
         self.promoter.instance_exited(inst, returncode)
 
+    async def failover_settled(self, service: str) -> None:
+        """Returns once the requests the last failover of ``service`` broke have resumed on the new
+        primary (at most ``replace_settle_timeout``). A launcher that replaces an exited engine by
+        itself should await this first: the replacement's start competes for the same CPU/GPU."""
+        await self.promoter.settled(self._service(service))
+
     def _on_probe(self, inst: Instance, generation: int, ok: bool, why: str, latency: float) -> None:
         self.promoter.on_probe(inst, generation, ok, why, latency)
 
@@ -241,6 +251,7 @@ class Router:
         self._site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await self._site.start()
         self.port = self._runner.addresses[0][1]
+        self.lag.start()  # before the first probe: a probe's verdict needs the loop's lag
         for svc in self.services.values():
             for inst in svc.instances.values():
                 self.health.watch(inst)
@@ -258,6 +269,7 @@ class Router:
             svc.refresh()
         # 2. Stop probing, so no verdict fences or promotes anything mid-shutdown.
         await self.health.stop()
+        await self.lag.stop()
         # 3. Close the listener, let in-flight requests finish (shutdown_timeout), cancel the rest.
         await self._runner.cleanup()
         self._runner = self._site = None

@@ -9,12 +9,13 @@ and firing it raises TimeoutError inside exactly that request, even one blocked 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 
 import aiohttp
 
 from router import states
-from router.errors import NoPrimary
+from router.errors import NoPrimary, Saturated
 
 
 class Attempt:
@@ -43,8 +44,66 @@ class Attempt:
         return not self.aborted
 
 
+class Gate:
+    """At most ``limit`` requests in flight to one instance; up to ``queue_size`` more wait here, first
+    come first served, instead of piling connections onto the engine's listen backlog (where a full
+    backlog turns into connect timeouts that look like a dead engine)."""
+
+    def __init__(self, limit: int, queue_size: int) -> None:
+        self.limit = limit
+        self.queue_size = queue_size
+        self.active = 0
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def enter(self, name: str, deadline: float) -> None:
+        """Take a slot, waiting until ``deadline`` (monotonic); Saturated when the queue is full or
+        the deadline passes. The caller must ``leave()`` once its request is over."""
+        if self.active < self.limit and not self._waiters:
+            self.active += 1
+            return
+        if len(self._waiters) >= self.queue_size:
+            raise Saturated(name, f"{self.active} requests in flight (the cap) and {len(self._waiters)} "
+                            "waiting for one (the queue is full)")
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                await fut  # leave() hands its slot over directly: ``active`` already counts us
+        except BaseException as exc:
+            if fut.done() and not fut.cancelled():
+                self.leave()  # handed a slot just as we gave up (timeout, client gone): pass it on
+            elif fut in self._waiters:
+                self._waiters.remove(fut)
+            if isinstance(exc, TimeoutError):
+                raise Saturated(name, f"no upstream slot free within the queue deadline "
+                                f"({self.active} in flight)") from None
+            raise
+
+    def leave(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():  # skip waiters that gave up
+                fut.set_result(None)
+                return
+        self.active -= 1
+        assert self.active >= 0, "upstream gate: more leaves than enters"
+
+    def release_all(self) -> None:
+        """Fenced: let every waiter through now; each finds the instance fenced and goes elsewhere."""
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                self.active += 1
+                fut.set_result(None)
+
+
 class Instance:
-    def __init__(self, service: str, name: str, url: str, role: str, pid: int | None) -> None:
+    def __init__(self, service: str, name: str, url: str, role: str, pid: int | None,
+                 max_upstream: int = 128, upstream_queue_size: int = 1024) -> None:
         self.service = service
         self.name = name
         self.url = url.rstrip("/")
@@ -63,12 +122,15 @@ class Instance:
         self.attempts: set[Attempt] = set()  # upstream requests in flight
         self.idle = asyncio.Event()
         self.idle.set()
+        self.gate = Gate(max_upstream, upstream_queue_size)
+        self.slow_kept = False  # failing slow with no standby to take over: kept serving (logged once)
         self._session: aiohttp.ClientSession | None = None
 
     def session(self, connect_timeout: float) -> aiohttp.ClientSession:
-        """The pool for this instance (created on first use, inside the event loop)."""
+        """The pool for this instance (created on first use, inside the event loop); the gate keeps
+        its connections at ``gate.limit``, the connector's limit is only a second fence."""
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=False)
+            connector = aiohttp.TCPConnector(limit=self.gate.limit, enable_cleanup_closed=False)
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout)
             self._session = aiohttp.ClientSession(connector=connector, timeout=timeout,
                                                   auto_decompress=False)
@@ -115,11 +177,38 @@ class Instance:
                 "last_transition": self.last_transition.as_json()}
 
 
+class Recovery:
+    """One request between a failed attempt and its next good byte (a retry's answer, a migrated
+    stream's next event). The service counts them: a failover has settled when none is left."""
+
+    __slots__ = ("service", "active")
+
+    def __init__(self, service: "Service") -> None:
+        self.service = service
+        self.active = False
+
+    def begin(self) -> None:
+        if not self.active:
+            self.active = True
+            self.service.recovering += 1
+            self.service.settled.clear()
+
+    def end(self) -> None:
+        if self.active:
+            self.active = False
+            self.service.recovering -= 1
+            if not self.service.recovering:
+                self.service.settled.set()
+
+
 class Service:
     """One served model: a primary, standbys, and the requests waiting while there is no primary."""
 
     def __init__(self, name: str, queue_size: int) -> None:
         self.name = name
+        self.recovering = 0  # requests that lost an attempt and have not had a good byte since
+        self.settled = asyncio.Event()  # set while recovering == 0
+        self.settled.set()
         self.instances: dict[str, Instance] = {}
         self.primary: Instance | None = None
         self.queue_size = queue_size

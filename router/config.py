@@ -34,7 +34,12 @@ class RouterConfig:
     max_buffered_bytes: int = 256 * 1024 * 1024  # all request bodies held at once; beyond: 503
     body_timeout: float = 15.0  # the whole request body must arrive within this (else 408, closed)
     forward_paths: tuple[str, ...] = FORWARD_PATHS  # exact raw paths forwarded; all else is 404
-    connect_timeout: float = 1.0
+    connect_timeout: float = 1.0  # a connect that times out is "slow" (a full backlog), not a failure
+    max_upstream: int = 128  # requests in flight to one instance at once (aiohttp's listen backlog is 128)
+    upstream_queue_size: int = 1024  # requests that may wait in the router for one of those slots
+    loop_lag_tolerance: float = 0.1  # a probe that timed out while our own loop lagged more is not counted
+    replace_settle_timeout: float = 2.0  # after a failover, wait (at most this) for the requests it broke
+    #                                      to resume before asking for a replacement (0: ask at once)
     stall_timeout: float = 30.0  # no upstream chunk for this long mid-stream: the backend failed
     drain_timeout: float = 30.0  # planned switchover / drain: wait this long for in-flight requests
     fence_timeout: float = 10.0  # Launcher.fence may take this long before we log and move on
@@ -50,7 +55,11 @@ class RouterConfig:
             raise ValueError(f"RouterConfig.port must be 0..65535, not {self.port}")
         if self.failure_threshold < 1:
             raise ValueError("RouterConfig.failure_threshold must be at least 1")
-        for name in ("queue_size", "max_retries", "max_migrations"):
+        if self.max_upstream < 1:
+            raise ValueError("RouterConfig.max_upstream must be at least 1")
+        if self.loop_lag_tolerance <= 0 or self.replace_settle_timeout < 0:
+            raise ValueError("RouterConfig.loop_lag_tolerance must be > 0 and replace_settle_timeout >= 0")
+        for name in ("queue_size", "upstream_queue_size", "max_retries", "max_migrations"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RouterConfig.{name} must be >= 0")
         if self.max_body_bytes < 1024:

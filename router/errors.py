@@ -16,10 +16,21 @@ class NoPrimary(RouterError):
         self.why = why
 
 
+class Saturated(RouterError):
+    """The instance has ``max_upstream`` requests in flight and its wait queue is full (or the wait
+    ran past the queue deadline): overload, answered 503 + Retry-After, never counted against it."""
+
+    def __init__(self, instance: str, why: str) -> None:
+        super().__init__(f"instance {instance} is saturated: {why}")
+        self.instance = instance
+        self.why = why
+
+
 class BackendFailed(RouterError):
     """One upstream attempt failed. ``kind`` says how, which decides what the health side does:
 
-    connect / reset / unavailable: suspicion, an immediate confirm probe;
+    connect / reset / unavailable: suspicion, an immediate confirm probe (refused, reset: dead);
+    slow: the connect timed out (a full listen backlog: saturated, not dead): retried, not counted;
     garbage / stall: the backend is failed outright (it answered, but not as an engine does);
     fenced: the instance was fenced while the request was in flight (already handled).
     """

@@ -5,6 +5,9 @@ out their ``probe_timeout``, so a hung engine (SIGSTOP: the kernel still accepts
 nothing answers) is declared failed ``failure_threshold`` probes after it hung, about
 timeout + (threshold - 1) x interval, not threshold x (timeout + interval).
 
+A probe that timed out while the router's own loop stalled (router/looplag.py) is discounted: not
+reported at all, since our lateness, not the engine's, may be what ran the clock out.
+
 The monitor only observes; it reports each verdict to ``on_result`` (the router decides).
 """
 
@@ -21,17 +24,25 @@ import structlog
 from router import states
 from router.backend import Instance
 from router.config import RouterConfig
+from router.looplag import LoopLag
 
 log = structlog.get_logger(__name__)
+
+# The ``why`` of a probe that timed out: slow, perhaps hung, not known dead (promotion.py treats it
+# apart: the last ready instance is never fenced for it).
+PROBE_TIMEOUT = "timeout"
 
 # on_result(instance, generation, ok, why, latency_s)
 ResultFn = Callable[[Instance, int, bool, str, float], None]
 
 
 class HealthMonitor:
-    def __init__(self, config: RouterConfig, on_result: ResultFn) -> None:
+    def __init__(self, config: RouterConfig, on_result: ResultFn, lag: LoopLag,
+                 on_discount: Callable[[Instance, float], None] | None = None) -> None:
         self.config = config
         self.on_result = on_result
+        self.lag = lag
+        self.on_discount = on_discount
         self._loops: dict[Instance, asyncio.Task] = {}
         self._probes: set[asyncio.Task] = set()
         self._pending: dict[Instance, int] = {}
@@ -91,13 +102,19 @@ class HealthMonitor:
                     await resp.read()
                     ok, why = resp.status == 200, f"status {resp.status}"
         except TimeoutError:
-            why = "timeout"
+            why = PROBE_TIMEOUT
         except (aiohttp.ClientError, OSError) as exc:
             why = f"{type(exc).__name__}: {exc}"
         finally:
             self._pending[inst] -= 1
             if not self._pending[inst]:
                 del self._pending[inst]
+        if why == PROBE_TIMEOUT and (lag := self.lag.lag_since(t0)) > self.config.loop_lag_tolerance:
+            log.warning("probe_discounted", service=inst.service, instance=inst.name,
+                        loop_lag_ms=round(lag * 1e3, 1), tolerance_ms=round(self.config.loop_lag_tolerance * 1e3, 1))
+            if self.on_discount is not None:
+                self.on_discount(inst, lag)
+            return
         self.on_result(inst, generation, ok, why, time.monotonic() - t0)
 
     def _client(self) -> aiohttp.ClientSession:

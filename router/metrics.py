@@ -40,6 +40,16 @@ class Metrics:
                           ["service", "instance", "role"], registry=r)
         self.queued = Gauge(PREFIX + "queued_requests", "Requests waiting for a ready primary",
                             ["service"], registry=r)
+        self.loop_lag = Histogram(PREFIX + "loop_lag_seconds", "How late the router's event loop ran a "
+                                  "20 ms timer (its own stalls, which must never count against engines)",
+                                  buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+                                  registry=r)
+        self.probes_discounted = Counter(PREFIX + "probes_discounted_total", "Probe timeouts not counted "
+                                         "because the router's own loop stalled meanwhile",
+                                         ["service", "instance"], registry=r)
+        self.saturated = Counter(PREFIX + "saturated_total", "Requests answered 503 because the primary "
+                                 "had max_upstream in flight and its router-side queue was full",
+                                 ["service"], registry=r)
         self.buffered = Gauge(PREFIX + "buffered_body_bytes", "Bytes of request bodies held now "
                               "(against max_buffered_bytes)", registry=r)
 

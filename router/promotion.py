@@ -22,6 +22,7 @@ from router import states
 from router.backend import Instance, Service
 from router.config import RouterConfig
 from router.errors import AdminError
+from router.health import PROBE_TIMEOUT  # fails a primary only when a ready standby can take over
 from router.launcher import Launcher
 from router.metrics import Metrics
 
@@ -31,6 +32,8 @@ log = structlog.get_logger(__name__)
 FATAL_KINDS = frozenset({"garbage", "stall"})
 # Kinds that make it suspect and trigger a confirm probe.
 SUSPECT_KINDS = frozenset({"connect", "reset", "unavailable"})
+# A connect that timed out: the engine's backlog is full (overload), which is no sign of death.
+SLOW_KINDS = frozenset({"slow"})
 
 
 @dataclass(slots=True)
@@ -91,12 +94,17 @@ class Promoter:
             inst.ever_ready = True
             self.set_ready(inst, True, why)
             service.refresh()
+            if inst.slow_kept:
+                inst.slow_kept = False
+                log.info("instance_answers_again", service=inst.service, instance=inst.name, role=inst.role)
             if inst.role == states.STANDBY:
                 primary = service.primary
                 if primary is None:
                     self.promote_best(service, "standby_ready")
                 elif self._never_came_up(primary):
                     self.fail(primary, "never_ready")
+                elif primary.slow_kept:  # kept only for want of a standby: there is one now
+                    self.fail(primary, "probe")
             return
         self._count_failure(inst, "probe", why)
         if inst.suspect and not inst.fenced:
@@ -105,6 +113,9 @@ class Promoter:
     def passive_failure(self, inst: Instance, generation: int, kind: str, detail: str) -> None:
         """A proxied request failed on ``inst`` (see errors.BackendFailed for the kinds)."""
         if inst.generation != generation or inst.fenced or inst.role not in states.WATCHED:
+            return
+        if kind in SLOW_KINDS:  # retried by the proxy; the probes decide whether it is hung
+            log.debug("backend_slow_request", service=inst.service, instance=inst.name, detail=detail)
             return
         log.warning("backend_failed_request", service=inst.service, instance=inst.name, kind=kind,
                     detail=detail)
@@ -131,6 +142,16 @@ class Promoter:
                 self.fail(inst, "never_ready")
             return
         if inst.role in states.SERVING:
+            service = self.services[inst.service]
+            if kind == "probe" and why == PROBE_TIMEOUT and self.best_standby(service, exclude=inst) is None:
+                # Slow, perhaps hung, but nothing could serve instead: fencing it would turn a slow
+                # service into none. Kept until it answers or a standby is ready (on_probe).
+                if not inst.slow_kept:
+                    inst.slow_kept = True
+                    log.error("primary_slow_kept", service=inst.service, instance=inst.name,
+                              failures=inst.failures, hint="no ready standby to fail over to; it is "
+                              "failed as soon as one is ready, unless it answers again first")
+                return
             self.fail(inst, kind)
         else:  # a standby that does not answer is not promoted; it may come back by itself
             self.set_ready(inst, False, f"{kind}: {why}")
@@ -153,7 +174,11 @@ class Promoter:
         now = time.monotonic()
         was_primary = service.primary is inst
         inst.fenced = True
+        inst.slow_kept = False
         aborted = inst.abort_inflight()
+        inst.gate.release_all()  # requests queued for it go back and find the new primary
+        if aborted:  # not settled: the aborted requests count themselves recovering on their next step
+            service.settled.clear()
         self.set_ready(inst, False, reason)
         self.set_role(inst, states.RELAUNCHING if self.relaunches else states.STOPPED, f"failed: {reason}",
                       aborted=aborted)
@@ -171,7 +196,26 @@ class Promoter:
         if launcher_fence:
             await self._bounded(self.launcher.fence(inst.name), "fence", inst.name)
         if self.relaunches:
+            await self.settled(self.services[inst.service])
             await self._bounded(self.launcher.request_standby(inst.service), "request_standby", inst.service)
+
+    async def settled(self, service: Service) -> None:
+        """Wait (at most ``replace_settle_timeout``) until the requests a failover broke have resumed
+        on the new primary. A replacement's start (torch import, weights, warm-up) competes with the
+        new primary for the same cores or GPU; started at once, it stalled the resumed requests for
+        hundreds of ms (bench/failover.py on 2 cores: the worst in-flight client waited 471 ms p50
+        instead of 54). With no primary to resume on, there is nothing to wait for."""
+        if self.config.replace_settle_timeout <= 0 or service.routable() is None:
+            return
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(self.config.replace_settle_timeout):
+                await service.settled.wait()
+        except TimeoutError:
+            log.warning("failover_not_settled", service=service.name, recovering=service.recovering,
+                        waited_s=self.config.replace_settle_timeout)
+            return
+        log.info("failover_settled", service=service.name, waited_ms=round((time.monotonic() - t0) * 1e3, 1))
 
     async def _bounded(self, coro: Awaitable, action: str, target: str) -> None:
         try:

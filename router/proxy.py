@@ -18,10 +18,10 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from router.backend import Attempt, Instance, Service
+from router.backend import Attempt, Instance, Recovery, Service
 from router.body import BodyBudget, read_body
 from router.config import RouterConfig
-from router.errors import BackendFailed, BodyRejected, NoPrimary
+from router.errors import BackendFailed, BodyRejected, NoPrimary, Saturated
 from router.metrics import Metrics
 from router.promotion import Promoter
 from router.stream import MIGRATABLE_PATHS, ClientGone, StreamRelay
@@ -109,23 +109,40 @@ class Proxy:
 
     async def _serve(self, request: web.Request, target: str, service: Service, body: bytes | bytearray,
                      relay: StreamRelay | None, t0: float) -> web.StreamResponse:
+        recovery = Recovery(service)  # between a failed attempt and the next good byte
+        try:
+            return await self._attempts(request, target, service, body, relay, t0, recovery)
+        finally:
+            recovery.end()
+
+    async def _attempts(self, request: web.Request, target: str, service: Service, body: bytes | bytearray,
+                        relay: StreamRelay | None, t0: float, recovery: Recovery) -> web.StreamResponse:
         headers = _forward_headers(request.headers)
         retries = migrations = 0
         while True:
+            deadline = time.monotonic() + self.config.queue_deadline
             try:
-                inst = await service.acquire(time.monotonic() + self.config.queue_deadline)
+                inst = await service.acquire(deadline)
+                await inst.gate.enter(inst.name, deadline)
             except NoPrimary as exc:
                 return await self._no_primary(service, relay, exc)
+            except Saturated as exc:
+                return await self._saturated(service, relay, exc)
             generation = inst.generation
+            if inst.fenced or service.routable() is not inst:  # switched away while we queued: not a retry
+                inst.gate.leave()
+                continue
             send = relay.resume_body() if relay is not None and relay.segment > 0 else body
             inst.begin()
             try:
-                return await self._attempt(request, target, service, inst, send, headers, relay, t0)
+                return await self._attempt(request, target, service, inst, send, headers, relay, t0, recovery)
             except BackendFailed as exc:
                 failure = exc
+                recovery.begin()
                 self.promoter.passive_failure(inst, generation, exc.kind, exc.detail)
             finally:
                 inst.end()
+                inst.gate.leave()
             if relay is not None and relay.started:
                 if relay.finished:  # every token and the finish_reason are out: just close it
                     await relay.finish()
@@ -149,7 +166,7 @@ class Proxy:
 
     async def _attempt(self, request: web.Request, target: str, service: Service, inst: Instance,
                        body: bytes | bytearray, headers: CIMultiDict, relay: StreamRelay | None,
-                       t0: float) -> web.StreamResponse:
+                       t0: float, recovery: Recovery) -> web.StreamResponse:
         session = inst.session(self.config.connect_timeout)
         attempt = Attempt()  # Instance.abort_inflight fires its guard when inst is fenced
         inst.attempts.add(attempt)
@@ -159,7 +176,7 @@ class Proxy:
                 if up.status in RETRY_STATUS:
                     raise BackendFailed(inst.name, "unavailable", f"answered {up.status}")
                 if relay is not None and up.status == 200 and up.content_type == "text/event-stream":
-                    return await self._relay(service, inst, up, relay, attempt, t0)
+                    return await self._relay(service, inst, up, relay, attempt, t0, recovery)
                 data = await up.read()
                 if relay is not None and relay.started:
                     raise BackendFailed(inst.name, "rejected",
@@ -171,7 +188,9 @@ class Proxy:
         except TimeoutError as exc:  # before OSError, of which it is a subclass
             if attempt.guard.expired():
                 raise BackendFailed(inst.name, "fenced", "aborted: the instance was fenced") from exc
-            kind = "connect" if isinstance(exc, aiohttp.ConnectionTimeoutError) else "reset"
+            # A connect that times out met a full listen backlog (or a slow network): saturated,
+            # not dead; a dead engine refuses (ClientConnectorError below) or resets.
+            kind = "slow" if isinstance(exc, aiohttp.ConnectionTimeoutError) else "reset"
             raise BackendFailed(inst.name, kind, f"timeout: {exc!r}") from exc
         except aiohttp.ClientConnectorError as exc:
             raise BackendFailed(inst.name, "connect", str(exc)) from exc
@@ -193,7 +212,7 @@ class Proxy:
         return web.Response(status=up.status, body=data, headers=out)
 
     async def _relay(self, service: Service, inst: Instance, up: aiohttp.ClientResponse,
-                     relay: StreamRelay, attempt: Attempt, t0: float) -> web.StreamResponse:
+                     relay: StreamRelay, attempt: Attempt, t0: float, recovery: Recovery) -> web.StreamResponse:
         buf = b""
         while True:
             try:
@@ -217,11 +236,23 @@ class Proxy:
                     return relay.response
                 if not attempt.rearm():
                     raise BackendFailed(inst.name, "fenced", "aborted: the instance was fenced")
+                recovery.end()
                 self.promoter.note_ok(inst)
         raise BackendFailed(inst.name, "reset", "stream ended before [DONE]")
 
     async def _no_primary(self, service: Service, relay: StreamRelay | None, exc: NoPrimary) -> web.StreamResponse:
         log.warning("no_primary", service=service.name, why=exc.why)
+        if relay is not None and relay.started:
+            await relay.fail(str(exc))
+            self.metrics.requests.labels(service.name, "stream_error").inc()
+            return relay.response
+        resp = self._error(service, 503, f"{exc}; retry shortly", "service_unavailable")
+        resp.headers["Retry-After"] = str(self.config.retry_after_s)
+        return resp
+
+    async def _saturated(self, service: Service, relay: StreamRelay | None, exc: Saturated) -> web.StreamResponse:
+        log.debug("upstream_saturated", service=service.name, instance=exc.instance, why=exc.why)  # per request
+        self.metrics.saturated.labels(service.name).inc()
         if relay is not None and relay.started:
             await relay.fail(str(exc))
             self.metrics.requests.labels(service.name, "stream_error").inc()

@@ -22,9 +22,10 @@ CHILD = str(Path(__file__).with_name("cache_child.py"))
 READY_TIMEOUT_S = 60
 
 
-def start_daemon(procs, model: Path, run_dir: Path, *args: str, wait: bool = True) -> subprocess.Popen:
+def start_daemon(procs, model: Path, run_dir: Path, *args: str, wait: bool = True, **popen) -> subprocess.Popen:
+    """A real daemon process; ``popen`` goes to Popen (e.g. ``preexec_fn`` to lower an rlimit)."""
     proc = procs.python("-m", "cache_daemon", "--model", str(model), "--run-dir", str(run_dir),
-                        "--log-level", "warning", *args, stderr=subprocess.PIPE, text=True)
+                        "--log-level", "warning", *args, stderr=subprocess.PIPE, text=True, **popen)
     if wait:
         wait_ready(proc, run_dir)
     return proc
