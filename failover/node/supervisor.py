@@ -166,8 +166,12 @@ class Supervisor:
                 raise
         evicted = slot.evicted_at or time.monotonic()
         svc = self.services[slot.service]
-        if svc.kind == "online":  # a relaunch or a promotion's replacement may need a batch engine's memory
-            await self.coserve.make_room(svc)
+        if svc.kind == "online":
+            # the requests the failover broke resume on the new primary first: the replacement's
+            # start (imports, warm-up) competes with them for the same cores (docs/router.md)
+            if self.router.knows_service(slot.service):
+                await self.router.failover_settled(slot.service)
+            await self.coserve.make_room(svc)  # it may need a batch engine's memory
         try:
             async for attempt in self.policy.retrying():
                 with attempt:
