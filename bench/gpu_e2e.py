@@ -155,6 +155,17 @@ async def measure(a, work: Path, model: Path, nbytes: int, report: dict) -> None
                 report["gpu_not_charged_to_a_process_gib"] = round((used - per_process) / 1024, 2)
                 report["weights_counted_once"] = int((used - per_process) * 2**20 < 1.5 * nbytes)
                 report["gpu_apps"] = ";".join("/".join(r) for r in apps)
+                by_pid = {str(s.pid): s for s in sup.slots.values() if s.pid}
+                for pid, mib in apps:  # each engine's share: its CUDA context plus its KV pool
+                    s = by_pid.get(pid)
+                    if s is not None:
+                        report[f"{s.name}_gpu_gib"] = round(int(mib) / 1024, 2)
+                        report[f"{s.name}_kv_pool_gib"] = round((s.kv_bytes or 0) / 2**30, 2)
+                if not a.batch_items:  # the standby-memory target: weights once + primary KV + 3 GiB
+                    kv = config.service[0].kv_memory_bytes
+                    limit = nbytes + kv + 3 * 2**30
+                    report["node_limit_gib"] = round(limit / 2**30, 2)
+                    report["node_within_limit"] = int(used * 2**20 <= limit)
             await failover_round(sup, report)
             if batch_in is not None:
                 await preempt_round(sup, report, a)
@@ -181,23 +192,43 @@ async def failover_round(sup, report: dict) -> None:
     async with aiohttp.ClientSession() as s:
         await load.learn_expected(s)
     stop = asyncio.Event()
-    runner = asyncio.create_task(load.run(4, stop))
-    await asyncio.sleep(3.0)
+    runner = asyncio.create_task(load.run(16, stop))
+    await asyncio.sleep(6.0)
     primary = sup.router.services["chat"].routable()
     slot = sup.slots[primary.name]
+    promoted = next(s for s in sup.slots.values() if s.service == "chat" and s is not slot)
+    small = promoted.kv_bytes
     killed = time.monotonic()
     os.kill(slot.pid, signal.SIGKILL)
+    full_at = None
     while not (slot.state == "running" and slot.ready_at and slot.ready_at > killed):
+        if full_at is None and promoted.kv_bytes is not None and promoted.kv_bytes > (small or 0):
+            full_at = time.monotonic()  # the promoted standby now holds its full pool
         await asyncio.sleep(0.005)
         if time.monotonic() - killed > 600:
             raise TimeoutError("no relaunch within 600 s")
+    while full_at is None and time.monotonic() - killed < 60:
+        if promoted.kv_bytes is not None and promoted.kv_bytes > (small or 0):
+            full_at = time.monotonic()
+        await asyncio.sleep(0.005)
+    report["standby_kv_pool_gib"] = round((small or 0) / 2**30, 2)
+    report["promoted_kv_pool_gib"] = round((promoted.kv_bytes or 0) / 2**30, 2)
+    report["kill_to_full_pool_ms"] = None if full_at is None else round(1e3 * (full_at - killed), 1)
+    report["replacement_kv_pool_gib"] = round((slot.kv_bytes or 0) / 2**30, 2)
     report["relaunch_to_ready_ms"] = round(1e3 * (slot.ready_at - killed), 1)
     report["relaunch_weights_source"] = slot.ready_info.get("weights_source")
     report["relaunch_engine_startup_s"] = slot.ready_info.get("startup_seconds")
     report["relaunch_engine_steps"] = startup_steps(sup.config.run_path.parent / "node.log")
-    await asyncio.sleep(2.0)
+    await asyncio.sleep(max(0.0, killed + 13.5 - time.monotonic()))
     stop.set()
     await runner
+    # the new primary's throughput 10 s after the failover vs the old one's just before the kill
+    def rate(lo: float, hi: float) -> float:
+        return sum(1 for o in load.outcomes if o.ok and lo <= o.end < hi) / (hi - lo)
+    before, after = rate(killed - 3.0, killed), rate(killed + 10.0, killed + 13.0)
+    report["requests_per_s_before_kill"] = round(before, 2)
+    report["requests_per_s_10s_after"] = round(after, 2)
+    report["throughput_after_vs_before"] = round(after / before, 3) if before else None
     fig = fault_figures(load.outcomes, [killed])[0]  # one fault: the figures themselves, no percentiles
     report["crash_blackout_ms"] = None if fig.first_token_ms is None else round(fig.first_token_ms, 1)
     report["crash_worst_client_wait_ms"] = None if fig.worst_wait_ms is None else round(fig.worst_wait_ms, 1)
