@@ -39,6 +39,9 @@ def parse_args(argv):
     p.add_argument("--batches", default="1,16")
     p.add_argument("--runs", type=int, default=3, help="child processes per variant")
     p.add_argument("--baseline", default=BASELINE, help="git ref of the contiguous-KV engine")
+    p.add_argument("--baseline-dir", type=Path, default=None,
+                   help="an extracted tree of the baseline instead of a git worktree (a copy without .git: "
+                        "git archive REF | tar -x -C DIR)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -98,7 +101,7 @@ def measure(args) -> dict:
 
 # --- the comparison (parent) ----------------------------------------------------------------------
 def write_model(work: Path, layers: int, dtype: str, max_positions: int) -> Path:
-    from failover.tiny_model import TinySpec, write_checkpoint
+    from failover.tools.tiny_model import TinySpec, write_checkpoint
 
     spec = TinySpec(arch="llama", hidden=1024, heads=16, kv_heads=4, intermediate=2816, vocab=32000,
                     layers=layers, max_positions=max_positions, dtype=dtype, shards=2)
@@ -123,18 +126,22 @@ def main(argv=None) -> int:
         # the tree under test comes from PYTHONPATH; this script's own dir would shadow the engine
         # package with bench/engine.py
         sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-        from cache_daemon.logs import configure_logging
+        try:  # the baseline tree predates the leaf package
+            from failover_common.logs import configure_logging
+        except ImportError:
+            from cache_daemon.logs import configure_logging
 
         configure_logging("warning")
         print(json.dumps(measure(args)))
         return 0
     sys.path.insert(0, str(REPO))
     work = Path(tempfile.mkdtemp(prefix="fo-bench-paged-"))
-    baseline = work / "baseline"
+    baseline = args.baseline_dir or work / "baseline"
     try:
         model = write_model(work, args.layers, args.dtype, 2 * max(int(n) for n in args.prompt_lens.split(",")) + 64)
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(baseline), args.baseline],
-                       check=True, capture_output=True)
+        if args.baseline_dir is None:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(baseline), args.baseline],
+                           check=True, capture_output=True)
         figures: dict[str, list[dict]] = {"contiguous": [], "paged": []}
         for _ in range(args.runs):
             figures["contiguous"].append(run_child(baseline, model, args))
@@ -150,8 +157,9 @@ def main(argv=None) -> int:
             print(f"  context {n:>4}, batch {b:>3}: contiguous {old:9.1f}   paged {new:9.1f}   "
                   f"paged/contiguous {new / old:.2f}x   (each process: {spread})")
     finally:
-        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(baseline)],
-                       capture_output=True)
+        if args.baseline_dir is None:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(baseline)],
+                           capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
     return 0
 
