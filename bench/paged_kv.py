@@ -112,7 +112,9 @@ def run_child(tree: Path, model: Path, args) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", str(model),
            "--device", args.device, "--dtype", args.dtype, "--prompt-lens", args.prompt_lens,
            "--new-tokens", str(args.new_tokens), "--batches", args.batches]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    rest = os.environ.get("PYTHONPATH", "")  # the tree under test first; what else was there after it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *[p for p in rest.split(os.pathsep)
+                                                                      if p and Path(p).resolve() != REPO]])}
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"child in {tree} failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -136,7 +138,7 @@ def main(argv=None) -> int:
         return 0
     sys.path.insert(0, str(REPO))
     work = Path(tempfile.mkdtemp(prefix="fo-bench-paged-"))
-    baseline = args.baseline_dir or work / "baseline"
+    baseline = args.baseline_dir.resolve() if args.baseline_dir else work / "baseline"
     try:
         model = write_model(work, args.layers, args.dtype, 2 * max(int(n) for n in args.prompt_lens.split(",")) + 64)
         if args.baseline_dir is None:
