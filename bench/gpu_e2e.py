@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -193,7 +194,7 @@ async def failover_round(sup, report: dict) -> None:
         await load.learn_expected(s)
     stop = asyncio.Event()
     runner = asyncio.create_task(load.run(16, stop))
-    await asyncio.sleep(6.0)
+    await asyncio.sleep(12.0)  # a big model's first waves of 16 take seconds each
     primary = sup.router.services["chat"].routable()
     slot = sup.slots[primary.name]
     promoted = next(s for s in sup.slots.values() if s.service == "chat" and s is not slot)
@@ -219,13 +220,17 @@ async def failover_round(sup, report: dict) -> None:
     report["relaunch_weights_source"] = slot.ready_info.get("weights_source")
     report["relaunch_engine_startup_s"] = slot.ready_info.get("startup_seconds")
     report["relaunch_engine_steps"] = startup_steps(sup.config.run_path.parent / "node.log")
-    await asyncio.sleep(max(0.0, killed + 13.5 - time.monotonic()))
+    await asyncio.sleep(max(0.0, killed + 15.5 - time.monotonic()))
     stop.set()
     await runner
-    # the new primary's throughput 10 s after the failover vs the old one's just before the kill
+    # the new primary's throughput 10 s after the failover vs the old one's in the 5 s before the kill
     def rate(lo: float, hi: float) -> float:
         return sum(1 for o in load.outcomes if o.ok and lo <= o.end < hi) / (hi - lo)
-    before, after = rate(killed - 3.0, killed), rate(killed + 10.0, killed + 13.0)
+    before, after = rate(killed - 5.0, killed), rate(killed + 10.0, killed + 15.0)
+    # requests completed and stream tokens received per second around the kill (second 0 = the kill)
+    report["timeline_s_done_tokens"] = " ".join(
+        f"{t}:{sum(1 for o in load.outcomes if o.ok and t <= o.end - killed < t + 1)}/"
+        f"{sum(1 for o in load.outcomes for x in o.tokens if t <= x - killed < t + 1)}" for t in range(-12, 15))
     report["requests_per_s_before_kill"] = round(before, 2)
     report["requests_per_s_10s_after"] = round(after, 2)
     report["throughput_after_vs_before"] = round(after / before, 3) if before else None
@@ -287,6 +292,7 @@ def main() -> int:
     p.add_argument("--batch-items", type=int, default=400, help="0: no batch service")
     p.add_argument("--batch-run", type=float, default=5.0, help="seconds of batch work before the preemption")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke test on the tiny model")
+    p.add_argument("--save-log", type=Path, default=None, help="copy the node's log (every process) here")
     a = p.parse_args()
     global CUDA
     CUDA = a.device == "cuda"
@@ -320,6 +326,8 @@ def main() -> int:
             for k, v in report.items():
                 print(f"{k}={v}")
             logs = work / "node.log"
+            if logs.exists() and a.save_log is not None:
+                shutil.copyfile(logs, a.save_log)
             if logs.exists():
                 tail = logs.read_text(errors="replace").splitlines()[-15:]
                 print("node.log tail:\n  " + "\n  ".join(tail))
