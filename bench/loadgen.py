@@ -110,11 +110,14 @@ class Load:
                 return "".join(parts)
             for choice in json.loads(data).get("choices", []):
                 piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                if piece:
+                # a token arrived even when its text is empty: a random-weight model's ids past the
+                # tokenizer's vocabulary decode to nothing, and the client-seen figures must still see it
+                if piece is not None and choice.get("finish_reason") is None or piece:
                     out.ttft = out.ttft or now - out.start
-                    parts.append(piece)
                     if not out.tokens or out.tokens[-1] != now:
                         out.tokens.append(now)
+                if piece:
+                    parts.append(piece)
         return None
 
     async def run(self, concurrency: int, stop: asyncio.Event, timeout: float = 60.0) -> None:
