@@ -242,17 +242,15 @@ class Proxy:
 
     async def _no_primary(self, service: Service, relay: StreamRelay | None, exc: NoPrimary) -> web.StreamResponse:
         log.warning("no_primary", service=service.name, why=exc.why)
-        if relay is not None and relay.started:
-            await relay.fail(str(exc))
-            self.metrics.requests.labels(service.name, "stream_error").inc()
-            return relay.response
-        resp = self._error(service, 503, f"{exc}; retry shortly", "service_unavailable")
-        resp.headers["Retry-After"] = str(self.config.retry_after_s)
-        return resp
+        return await self._unavailable(service, relay, exc)
 
     async def _saturated(self, service: Service, relay: StreamRelay | None, exc: Saturated) -> web.StreamResponse:
         log.debug("upstream_saturated", service=service.name, instance=exc.instance, why=exc.why)  # per request
         self.metrics.saturated.labels(service.name).inc()
+        return await self._unavailable(service, relay, exc)
+
+    async def _unavailable(self, service: Service, relay: StreamRelay | None, exc: Exception) -> web.StreamResponse:
+        """503 with Retry-After, or, once a stream has started, its error event."""
         if relay is not None and relay.started:
             await relay.fail(str(exc))
             self.metrics.requests.labels(service.name, "stream_error").inc()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import shutil
 import signal
@@ -108,3 +110,18 @@ def procs():
     p = Procs()
     yield p
     p.stop_all()
+
+
+@contextlib.contextmanager
+def small_tmpfs(mnt: Path, size: str = "64k"):
+    """A real, tiny filesystem (a full disk on demand) mounted at ``mnt``; unmounted afterwards.
+    Skips the test where mounting is not allowed."""
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -8,11 +8,11 @@ writes to a 64 KiB tmpfs that fills up mid-batch, the other starts on an output 
 from __future__ import annotations
 
 import os
-import subprocess
 from collections import Counter
 
 import pytest
 
+from conftest import small_tmpfs
 from coserve_helpers import CoNode, batch_input, read_output
 from supervisor_helpers import http, wait_until
 
@@ -25,17 +25,9 @@ def service(name: str, priority: int, **batch) -> dict:
 @pytest.fixture
 def small_fs(run_dir):
     """A 64 KiB tmpfs with all but 8 KiB taken by a filler file; unmounted afterwards."""
-    mnt = run_dir / "small"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(mnt)],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    try:
+    with small_tmpfs(run_dir / "small") as mnt:
         (mnt / "filler").write_bytes(b"\0" * (56 << 10))
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_a_full_disk_or_a_corrupt_line_fails_only_that_batch_and_resume_retries_it(procs, tiny_model, run_dir,

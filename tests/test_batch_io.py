@@ -1,9 +1,9 @@
 import json
 import os
-import subprocess
 
 import pytest
 
+from conftest import small_tmpfs
 from failover.coserve.batch_io import BatchInputError, BatchOutputError, CorruptOutput, ResultLog, read_items
 
 
@@ -139,16 +139,8 @@ def test_a_new_output_is_created_0600_whatever_the_umask_or_as_configured(tmp_pa
 @pytest.fixture
 def small_fs(tmp_path):
     """A 64 KiB tmpfs (a real full disk), unmounted afterwards."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(mnt)],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "small") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_a_full_disk_counts_only_whole_fsynced_lines_and_fails_with_the_file_and_free_space(small_fs):
