@@ -19,7 +19,8 @@ import structlog
 
 from engine.llm_engine import KVUsage, LLMEngine, RequestOutput
 from engine.model_runner import StepPlan
-from engine.scheduler import Sequence
+from engine import inbox
+from engine.sequence import Sequence
 
 log = structlog.get_logger(__name__)
 
@@ -70,12 +71,15 @@ class AsyncEngine:
     def in_flight(self) -> int:
         return len(self._streams)
 
-    async def generate(self, seq: Sequence) -> AsyncIterator[RequestOutput]:
+    async def generate(self, req) -> AsyncIterator[RequestOutput]:
+        """Outputs of one parsed request (``engine.protocol.GenerateRequest``), as the engine makes
+        them; closing the iterator early aborts it."""
         if self.error is not None:
             raise EngineDead(str(self.error))
+        seq = Sequence.from_request(req)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[seq.id] = stream
-        self._inbox.put(("add", seq))
+        self._inbox.put(inbox.Add(seq))
         self._wake.set()
         finished = False
         try:
@@ -88,7 +92,7 @@ class AsyncEngine:
         finally:
             self._streams.pop(seq.id, None)
             if not finished:
-                self._inbox.put(("abort", seq.id))
+                self._inbox.put(inbox.Abort(seq.id))
                 self._wake.set()
 
     async def resize_kv(self, budget: int) -> KVUsage:
@@ -96,7 +100,7 @@ class AsyncEngine:
         if self.error is not None:
             raise EngineDead(str(self.error))
         done = self._loop.create_future()
-        self._inbox.put(("resize", (budget, done)))
+        self._inbox.put(inbox.Resize(budget, done))
         self._wake.set()
         return await done
 
@@ -137,22 +141,24 @@ class AsyncEngine:
             self._on_step(len(s.running), len(s.waiting), self.kv_usage)
 
     def _drain_inbox(self) -> bool:
-        """Apply queued adds and aborts; True if there were any."""
+        """Apply queued messages (engine.inbox); True if there were any."""
         changed = False
         while True:
             try:
-                op, arg = self._inbox.get_nowait()
+                msg = self._inbox.get_nowait()
             except queue.Empty:
                 return changed
             changed = True
-            if op == "add":
-                self.engine.add(arg)
-            elif op == "abort":
-                self.engine.abort(arg)
-            else:
-                self._resize(*arg)
+            inbox.dispatch(msg, self)
 
-    def _resize(self, budget: int, done: asyncio.Future) -> None:
+    # engine.inbox.Handler, on the engine thread
+    def add(self, seq: Sequence) -> None:
+        self.engine.add(seq)
+
+    def abort(self, seq_id: str) -> None:
+        self.engine.abort(seq_id)
+
+    def resize(self, budget: int, done: asyncio.Future) -> None:
         try:
             result, error = self.engine.resize_kv(budget), None
         except RuntimeError as e:  # out of memory: the pool stays as it was

@@ -13,7 +13,8 @@ from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalText
 from engine.model_runner import ModelRunner, StepPlan
 from engine.sampling import Draw, sample
-from engine.scheduler import Scheduler, Sequence, Status
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, Status
 from engine.tokenizer import Tokenizer
 
 

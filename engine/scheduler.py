@@ -13,54 +13,13 @@ The scheduler is owned by the engine thread; nothing here is thread-safe by itse
 from __future__ import annotations
 
 import bisect
-import time
 from collections import deque
-from dataclasses import dataclass, field
-from enum import Enum
 from itertools import count
 
 from engine.block_manager import BlockManager
-from engine.sampling import SamplingParams
+from engine.sequence import Sequence, Status
 
-
-class Status(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request. ``resume_ids`` were generated for it elsewhere and count as completion tokens;
-    ``output_ids`` are the tokens this engine generated."""
-
-    id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    resume_ids: list[int] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)
-    status: Status = Status.WAITING
-    finish_reason: str | None = None
-    block_table: list[int] = field(default_factory=list)  # owned by the block manager
-    order: int = -1  # arrival order in the scheduler: the highest running one is preempted first
-    preemptions: int = 0
-    arrival: float = field(default_factory=time.monotonic)
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.resume_ids + self.output_ids
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.resume_ids) + len(self.output_ids)
-
-    @property
-    def num_completion(self) -> int:
-        return len(self.resume_ids) + len(self.output_ids)
-
-    def finish(self, reason: str) -> None:
-        self.status, self.finish_reason = Status.FINISHED, reason
+__all__ = ["Scheduler", "Sequence", "Status"]  # Sequence and Status live in engine.sequence
 
 
 class Scheduler:

@@ -20,8 +20,6 @@ from engine.async_engine import AsyncEngine, EngineDead
 from engine.config import EngineConfig
 from engine.metrics import EngineMetrics
 from engine.protocol import ApiError, GenerateRequest, ServingContext, choice, envelope, parse_request, usage
-from engine.sampling import request_seed
-from engine.scheduler import Sequence
 
 log = structlog.get_logger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -134,24 +132,23 @@ class EngineServer:
             raise ApiError(503, f"the engine is {state}; retry on another instance",
                            type="service_unavailable", code="not_ready")
         req = parse_request(await _read_json(request, self.cfg.max_body_bytes), self.ctx, chat=chat)
-        seq = Sequence(req.id, req.prompt_ids, req.params, request_seed(req.params), list(req.resume_ids))
         self.metrics.prompt_tokens.labels(self.metrics.model).inc(len(req.prompt_ids))
         try:
             if req.stream:
-                return await self._stream(request, req, seq)
-            return await self._complete(req, seq)
+                return await self._stream(request, req)
+            return await self._complete(req)
         except EngineDead as e:
             self.metrics.outcome("error")
             raise ApiError(500, f"the engine failed: {e}", type="server_error") from e
 
-    async def _outputs(self, req: GenerateRequest, seq: Sequence):
-        """The engine's outputs for ``seq``, with latency metrics; nothing if the resumed tokens
+    async def _outputs(self, req: GenerateRequest):
+        """The engine's outputs for ``req``, with latency metrics; nothing if the resumed tokens
         already used up ``max_tokens``."""
-        if len(seq.resume_ids) >= req.params.max_tokens:
+        if len(req.resume_ids) >= req.params.max_tokens:
             return
         start = last = time.monotonic()
         first = True
-        async with contextlib.aclosing(self.engine.generate(seq)) as outputs:
+        async with contextlib.aclosing(self.engine.generate(req)) as outputs:
             async for out in outputs:
                 now = time.monotonic()
                 (self.metrics.ttft if first else self.metrics.itl).labels(self.metrics.model).observe(
@@ -160,9 +157,9 @@ class EngineServer:
                 first, last = False, now
                 yield out
 
-    async def _complete(self, req: GenerateRequest, seq: Sequence) -> web.Response:
-        text, ids, reason, completion = [], [], "length", len(seq.resume_ids)
-        async with contextlib.aclosing(self._outputs(req, seq)) as outputs:
+    async def _complete(self, req: GenerateRequest) -> web.Response:
+        text, ids, reason, completion = [], [], "length", len(req.resume_ids)
+        async with contextlib.aclosing(self._outputs(req)) as outputs:
             async for out in outputs:
                 text.append(out.text)
                 ids += out.token_ids
@@ -172,10 +169,10 @@ class EngineServer:
                         chunk=False, usage_=usage(len(req.prompt_ids), completion))
         return web.json_response(body)
 
-    async def _stream(self, request: web.Request, req: GenerateRequest, seq: Sequence) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, req: GenerateRequest) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
-        model, completion, reason = self.cfg.model_name, len(seq.resume_ids), None
+        model, completion, reason = self.cfg.model_name, len(req.resume_ids), None
 
         async def send(body: dict) -> None:
             await resp.write(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
@@ -187,7 +184,7 @@ class EngineServer:
         try:
             if req.chat:
                 await send(chunk("", [], None, first=True))
-            async with contextlib.aclosing(self._outputs(req, seq)) as outputs:
+            async with contextlib.aclosing(self._outputs(req)) as outputs:
                 async for out in outputs:
                     completion, reason = out.completion_tokens, out.finish_reason
                     if out.text or out.token_ids or out.finished:

@@ -57,7 +57,7 @@ def build_llm_engine(model: Path, **kw):
 
 def make_seq(seq_id: str, prompt_ids: list[int], *, resume: list[int] | None = None, seed: int = 0, **params):
     from engine.sampling import SamplingParams
-    from engine.scheduler import Sequence
+    from engine.sequence import Sequence
 
     params.setdefault("temperature", 0.0)
     return Sequence(seq_id, list(prompt_ids), SamplingParams(**params), seed, list(resume or []))
