@@ -74,6 +74,15 @@ def gpu_used_mib() -> int:
     return int(nvsmi("gpu=memory.used")[0][0]) if CUDA else 0
 
 
+def rss_bytes(pid: int | None) -> int:
+    """VmRSS of ``pid`` (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, TypeError):
+        return 0
+
+
 CUDA = True  # --device cpu runs the same steps on the tiny model (a smoke test of this script)
 
 
@@ -144,6 +153,10 @@ async def measure(a, work: Path, model: Path, nbytes: int, report: dict) -> None
                 report[f"{s.name}_launch_to_ready_ms"] = round(1e3 * (s.ready_at - s.launched_at), 1)
             await asyncio.sleep(1.0)
             report["weights_gib"] = round(nbytes / 2**30, 2)
+            if not CUDA:  # each engine's resident memory (the mapped weights shared) and its KV pool
+                for s in chat:
+                    report[f"{s.name}_rss_mib"] = round(rss_bytes(s.pid) / 2**20, 1)
+                    report[f"{s.name}_kv_pool_mib"] = round((s.kv_bytes or 0) / 2**20, 2)
             if CUDA:
                 # Engines' own allocations (context, KV pool) are charged to their pids; the arenas
                 # belong to no live process (the loader that made them exited; the daemon holds fds),
