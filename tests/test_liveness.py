@@ -73,7 +73,6 @@ def _freeze_then_kill_primary(node: Node, helper: str) -> tuple[int, float]:
     return frozen, healed
 
 
-@pytest.mark.slow
 def test_frozen_daemon_is_killed_and_replaced_and_a_primary_kill_still_heals(procs, tiny_model, run_dir):
     n = Node(procs, tiny_model, run_dir, supervisor=PING)
     try:
@@ -89,7 +88,6 @@ def test_frozen_daemon_is_killed_and_replaced_and_a_primary_kill_still_heals(pro
         n.stop()
 
 
-@pytest.mark.slow
 def test_frozen_zygote_is_killed_and_replaced_and_a_primary_kill_still_heals(procs, tiny_model, run_dir):
     n = Node(procs, tiny_model, run_dir, supervisor=PING)
     try:
