@@ -6,10 +6,12 @@ import json
 import os
 import signal
 import stat
+import subprocess
+import sys
 
 import pytest
 
-from supervisor_helpers import Load, Node, alive, http, wait_until
+from supervisor_helpers import REPO, Load, Node, alive, http, wait_until
 
 
 @pytest.fixture
@@ -190,3 +192,26 @@ def test_supervisor_sigkill_leaves_no_orphan_and_the_run_dir_is_reusable(procs, 
     n2 = Node(procs, tiny_model, run_dir)
     wait_until(n2.serving_pair, 30, "the node back")
     n2.stop()
+
+
+def test_a_stale_pid_file_naming_a_reused_pid_and_a_stale_token_are_replaced_at_up(procs, tiny_model, run_dir):
+    # after a kill -9 of the supervisor its pid may be reused by any program: that is no supervisor
+    sleeper = procs.start(["sleep", "120"])
+    node_dir = run_dir / "node"
+    node_dir.mkdir(mode=0o700)
+    (node_dir / "supervisor.pid").write_text(f"{sleeper.pid}\n")
+    (node_dir / "admin.token").write_text("stale\n")
+    n = Node(procs, tiny_model, run_dir)
+    try:
+        assert (node_dir / "supervisor.pid").read_text().strip() == str(n.proc.pid)
+        assert n.token != "stale" and stat.S_IMODE((node_dir / "admin.token").stat().st_mode) == 0o600
+        # a live supervisor's pid file still keeps a second `up` off the same run dir
+        second = n.cli("status")  # (the config's admin client works: the fresh token is the one in use)
+        assert second.returncode == 0, second.stderr
+        res = subprocess.run([sys.executable, "-m", "failover", "up", str(n.config_path)],
+                             capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert res.returncode != 0 and "already running" in res.stderr, res.stderr
+        assert (node_dir / "supervisor.pid").read_text().strip() == str(n.proc.pid)
+    finally:
+        n.stop()
+    assert alive(sleeper.pid)  # a stale pid file is never a reason to signal its pid

@@ -128,16 +128,30 @@ def _mib(n: int) -> str:
 
 
 def _live_supervisor(run: Path) -> int | None:
-    """The pid in RUN_DIR/supervisor.pid when that process lives; a stale file is removed."""
+    """The pid in RUN_DIR/supervisor.pid when that process is a live `failover up`; a stale file
+    (its process dead, or the pid reused by another program since a kill -9) is removed."""
     pid_file = run / "supervisor.pid"
     try:
         pid = int(pid_file.read_text().strip())
     except (FileNotFoundError, ValueError):
         return None
-    if not pid_alive(pid):
+    if not pid_alive(pid) or not _is_supervisor(pid):
         pid_file.unlink(missing_ok=True)
         return None
     return pid
+
+
+def _is_supervisor(pid: int) -> bool:
+    """Whether ``pid`` runs `failover up` (``python -m failover up ...`` or the ``failover`` script).
+    A command line we may not read (another user's, hidepid) counts as one: refuse rather than race."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except FileNotFoundError:
+        return False
+    except PermissionError:
+        return True
+    return "up" in args and any(os.path.basename(a) == "failover" for a in args)
 
 
 def _check_model(model: ModelConfig) -> list[str]:

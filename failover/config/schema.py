@@ -86,6 +86,10 @@ class SupervisorConfig(_Base):
     backoff_max: Positive = 10.0
     crash_loop_exits: PositiveInt = 5  # this many exits of one service ...
     crash_loop_window: Positive = 60.0  # ... within this many seconds: the service is marked failed
+    # liveness of the cache daemon and the zygote: pinged every ping_interval s; one silent for
+    # ping_timeout s is hung (SIGKILL of its process group, then its usual restart)
+    ping_interval: Positive = 0.5
+    ping_timeout: Positive = 2.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 

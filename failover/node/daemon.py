@@ -18,6 +18,7 @@ from typing import Callable
 import structlog
 import tenacity
 
+from cache_daemon import client
 from failover.procs import child as processes
 from failover.config.schema import Config
 from failover.config.argv import daemon_argv
@@ -74,6 +75,15 @@ class CacheDaemon:
         log.info("daemon_ready", seconds=round(time.monotonic() - t0, 3), socket=str(cfg.daemon_socket),
                  pid=self.ready_info.get("pid"))
         return self.ready_info
+
+    def pingable(self) -> Child | None:
+        """The process the liveness watchdog pings: a managed daemon once ready (not while loading)."""
+        return self.child if self.managed and self.ready else None
+
+    async def ping(self, timeout: float) -> bool:
+        """True when the daemon answers Hello and Ping on its socket within ``timeout`` s each
+        (blocking socket calls, so off the event loop)."""
+        return await asyncio.to_thread(client.ping, self.config.daemon_socket, timeout=timeout)
 
     async def _wait_external(self, timeout: float) -> dict:
         path = self.config.daemon_ready_file

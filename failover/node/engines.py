@@ -73,6 +73,9 @@ class EngineStarter:
                                    on_exit=on_exit, stdout=self.child_output)
         argv = engine_argv(self.config, svc, slot.port, kv)
         if self.sup.launch == "zygote" and not self.cold:
+            if not self.zygote.ready:  # dead or being replaced: do not wait for its imports
+                log.warning("zygote_not_ready", slot=slot.name, fallback="spawn")
+                return launch.spawn_cold(slot.name, argv, on_exit=on_exit, stdout=self.child_output)
             try:
                 return await self.zygote.fork(slot.name, argv, on_exit=on_exit)
             except launch.ZygoteError as e:

@@ -30,7 +30,9 @@ class RunDir:
         run = self.config.run_path
         # mkdir, then checked on the opened fd: a symlink or another user's dir is refused, not chmodded
         self.made_dir = owned.private_dir(run)
-        (run / "supervisor.pid").write_text(f"{os.getpid()}\n")
+        # a kill -9'd predecessor's pid file and token (preflight found it dead) are replaced, never
+        # written through: unlinked, then created anew
+        write_new(run / "supervisor.pid", f"{os.getpid()}\n")
         # The default token (RUN_DIR/admin.token) is ours: fresh each run, removed at exit. A token
         # file named in the config is the operator's: used as is, created (and kept) only if missing.
         token = self.config.token_path
@@ -60,7 +62,13 @@ class RunDir:
 def write_token(path: Path) -> None:
     """A fresh random token in ``path``, created 0600 (never a file that was there before)."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    write_new(path, secrets.token_hex(32) + "\n")
+
+
+def write_new(path: Path, text: str) -> None:
+    """``text`` in a new 0600 file at ``path``: what was there (a stale file, a symlink) is unlinked,
+    not followed or truncated."""
     path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
+        f.write(text)

@@ -38,6 +38,7 @@ from failover.procs.slots import Slot
 from failover.procs import child as processes
 from failover.procs import launch
 from failover.procs.child import Child, ChildFailed
+from failover.procs.liveness import Watchdog
 from failover.procs.restart import CrashLoop, RestartPolicy
 from failover_common.proc import become_subreaper
 from router import states
@@ -60,7 +61,14 @@ class Supervisor:
         self.policy = RestartPolicy(self.sup)
         self.run_dir = RunDir(config)
         self.daemon = CacheDaemon(config, stdout=child_output, progress=self.progress)
-        self.zygote = launch.Zygote(on_exit=self._zygote_exited, stdout=child_output, device=config.model.device)
+        self.zygote = launch.Zygote(on_exit=self._zygote_exited, stdout=child_output, device=config.model.device,
+                                    reply_timeout=self.sup.ping_timeout)
+        # exits are seen through pidfds; these see the hung ones (SIGSTOP, a wedged loop)
+        self.watchdogs = [
+            Watchdog("daemon_hung", self.daemon.pingable, self.daemon.ping,
+                     interval=self.sup.ping_interval, timeout=self.sup.ping_timeout),
+            Watchdog("zygote_hung", lambda: self.zygote.child if self.zygote.ready else None, self.zygote.ping,
+                     interval=self.sup.ping_interval, timeout=self.sup.ping_timeout)]
         self.engines = EngineStarter(config, self.zygote, child_output=child_output, progress=self.progress)
         self.pools = PoolSizer(config.engine_token_path, lambda: self.engines.session, self._make_room)
         launcher = NodeLauncher(fence=self.fence, is_batch=self.is_batch, preempt=self.preempt, resume=self.resume)
@@ -103,6 +111,8 @@ class Supervisor:
                     self._register(self.slots[name], states.PRIMARY if i == 0 else states.STANDBY)
         await self.router.start()
         self.serving = True
+        for dog in self.watchdogs:
+            self.background(dog.run(), dog.event)
         self.coserve.start()
         if self.batch_bar and self.coserve.jobs:
             self.background(report(self.coserve, self.progress), "batch-progress")

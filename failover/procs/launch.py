@@ -21,7 +21,7 @@ import structlog
 
 from failover.procs import child as processes
 from failover.procs.child import Child
-from failover.procs.zygote import MAX_FRAME, Failed, Fork, Forked, Hello, decode, encode
+from failover.procs.zygote import MAX_FRAME, Failed, Fork, Forked, Hello, Ping, Pong, decode, encode
 from failover_common import frames
 
 log = structlog.get_logger(__name__)
@@ -36,8 +36,10 @@ class Zygote:
 
     def __init__(self, *, preload: str = "torch,engine.cli,engine.serve,cache_daemon.client", env: dict[str, str] | None = None,
                  parent_pid: int | None = None, on_exit: Callable[[Child], None] | None = None,
-                 stdout=None, device: str = "cpu") -> None:
+                 stdout=None, device: str = "cpu", reply_timeout: float = 30.0) -> None:
         self.preload, self.env, self.stdout, self.device = preload, env, stdout, device
+        # a fork or a ping is answered in milliseconds: a zygote silent this long is hung
+        self.reply_timeout = reply_timeout
         self.parent_pid = os.getpid() if parent_pid is None else parent_pid
         self.on_exit = on_exit
         self.child: Child | None = None
@@ -52,8 +54,14 @@ class Zygote:
     def alive(self) -> bool:
         return self.child is not None and self.child.alive
 
+    @property
+    def ready(self) -> bool:
+        """Alive and past its Hello: a fork now is not stuck behind a (re)start's imports."""
+        return self.alive and self.hello is not None
+
     async def start(self, timeout: float = 120.0) -> Hello:
         """Start the zygote and wait for its Hello (it has imported torch and the engine)."""
+        self.hello = None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             args = [sys.executable, "-m", "failover.procs.zygote", "--fd", str(theirs.fileno()),
@@ -93,8 +101,10 @@ class Zygote:
 
     async def fork(self, name: str, argv: list[str], *, target: str = "engine.cli:main",
                    env: dict[str, str] | None = None,
-                   on_exit: Callable[[Child], None] | None = None, timeout: float = 30.0) -> Child:
-        """Fork ``target(argv)`` as ``name``; the returned Child is watched from this instant."""
+                   on_exit: Callable[[Child], None] | None = None, timeout: float | None = None) -> Child:
+        """Fork ``target(argv)`` as ``name``; the returned Child is watched from this instant.
+        No answer within ``timeout`` (default ``reply_timeout``): the zygote is killed, ZygoteError."""
+        timeout = self.reply_timeout if timeout is None else timeout
         async with self._lock:
             if not self.alive:
                 await self.start()
@@ -117,6 +127,23 @@ class Zygote:
                 raise ZygoteError(f"the zygote answered {reply!r} to fork #{req.id}")
         log.info("process_forked", process_name=name, pid=reply.pid, fork_ms=round((time.perf_counter() - t0) * 1e3, 2))
         return processes.watch(name, reply.pid, on_exit=on_exit)
+
+    async def ping(self, timeout: float) -> bool:
+        """True when the zygote answers a Ping within ``timeout`` (or is busy with a fork, which has
+        its own deadline); False when it is silent or its socket is gone."""
+        if self._lock.locked() or not self.ready:
+            return True
+        async with self._lock:
+            if self._writer is None:
+                return False
+            self._ids += 1
+            try:
+                self._writer.write(encode(Ping(id=self._ids)))
+                await self._writer.drain()
+                reply = await asyncio.wait_for(self._read(), timeout)
+            except (ConnectionError, frames.FrameError, asyncio.TimeoutError):
+                return False  # the stream is out of step now: the caller kills the zygote
+            return isinstance(reply, Pong) and reply.id == self._ids
 
     def _resync(self) -> None:
         """A late or missing answer leaves the stream out of step: kill it; the next fork restarts it."""

@@ -68,7 +68,17 @@ class Failed(msgspec.Struct, tag="failed"):
     message: str
 
 
-Message = Hello | Fork | Forked | Failed
+class Ping(msgspec.Struct, tag="ping"):
+    """supervisor -> zygote: a liveness check, answered with ``Pong`` of the same id."""
+
+    id: int
+
+
+class Pong(msgspec.Struct, tag="pong"):
+    id: int
+
+
+Message = Hello | Fork | Forked | Failed | Ping | Pong
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
@@ -97,6 +107,9 @@ def serve(sock: socket.socket, preload: list[str], import_s: float) -> int:
             # EOF: the supervisor is done with us; nothing to tear down (skip torch's atexit)
             sys.stderr.flush()
             os._exit(0)
+        if isinstance(msg, Ping):
+            sock.sendall(encode(Pong(id=msg.id)))
+            continue
         if not isinstance(msg, Fork):
             sock.sendall(encode(Failed(id=-1, message=f"zygote: unexpected {type(msg).__name__}")))
             continue
