@@ -284,6 +284,27 @@ def test_bad_usage_and_bind_failure_exit_codes(tiny_model, procs, server):
     path.chmod(0o644)
     loose = start_engine(procs, tiny_model, free_port(), "--admin-token-file", str(path), wait=False)
     assert loose.wait(30) == 2 and f"chmod 600 {path}" in engine_log(loose)
+    wide = start_engine(procs, tiny_model, free_port(), "--max-batch", "4", "--warmup-batch", "5", wait=False)
+    assert wide.wait(30) == 2 and "--warmup-batch must be in 1..--max-batch" in engine_log(wide)
+
+
+def test_a_full_batch_warm_up_leaves_the_pool_empty_and_the_engine_serving(tiny_model, procs):
+    """--warmup-batch N runs N sequences to the end before /ready (the default on CUDA): nothing of
+    it stays in the pool, in the preemption count or in the outputs of the first real request."""
+    port = free_port()
+    proc = start_engine(procs, tiny_model, port, "--weights", "disk", "--served-model-name", MODEL,
+                        "--kv-memory", "1MiB", "--max-batch", "8", "--warmup-batch", "8")
+    ready = get(port, "/ready")[1]
+    assert (ready["kv_blocks_used"], ready["kv_preemptions"]) == (0, 0)
+    body = {"model": MODEL, "prompt": [5, 17, 42], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    status, text = post(port, "/v1/completions", body)
+    assert status == 200, text
+    warm = json.loads(text)["choices"][0]["token_ids"]
+    cold_port = free_port()
+    start_engine(procs, tiny_model, cold_port, "--weights", "disk", "--served-model-name", MODEL,
+                 "--kv-memory", "1MiB", "--max-batch", "8", "--warmup-batch", "1")
+    assert json.loads(post(cold_port, "/v1/completions", body)[1])["choices"][0]["token_ids"] == warm
+    assert proc.poll() is None
 
 
 
