@@ -60,9 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache budget per rank: bytes, or with a unit (256MiB, 1GiB; KB/MB/GB are decimal)")
     p.add_argument("--kv-block-size", type=int, default=16, help="positions per KV cache block")
     p.add_argument("--max-batch", type=int, default=16, help="most sequences decoded together")
-    p.add_argument("--warmup-batch", type=int, default=None,
-                   help="sequences in the warm-up wave before /ready (default: --max-batch on cuda, 1 on cpu): "
-                        "a fresh CUDA engine's first full batch runs several times slower")
+    p.add_argument("--warmup-batch", type=int, default=1,
+                   help="sequences in one warm-up wave run to the end before /ready")
+    p.add_argument("--cudnn-attention", action="store_true",
+                   help="CUDA: let attention use cuDNN (faster steady decode, but each new shape's first "
+                        "use is slow: a promoted standby's first requests pay it)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + completion tokens")
     p.add_argument("--served-model-name", default="", help="the model id clients send (default: dir name)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -97,6 +99,7 @@ def make_config(args: argparse.Namespace) -> EngineConfig:
         max_batch=args.max_batch, max_model_len=args.max_model_len, served_model_name=args.served_model_name,
         drain_timeout=args.drain_timeout, max_body_bytes=args.max_body_bytes,
         admin_token_file=args.admin_token_file, warmup_batch=args.warmup_batch,
+        cudnn_attention=args.cudnn_attention,
     )
 
 

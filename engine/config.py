@@ -138,14 +138,8 @@ class EngineConfig:
     drain_timeout: float = 30.0
     max_body_bytes: int = 4 << 20
     admin_token_file: Path | None = None  # guards POST /admin/kv; None: admin calls get 403
-    # sequences of the warm-up wave before /ready (None: max_batch on CUDA, 1 on CPU); see LLMEngine.warmup
-    warmup_batch: int | None = None
-
-    @property
-    def warmup_sequences(self) -> int:
-        if self.warmup_batch is not None:
-            return self.warmup_batch
-        return self.max_batch if self.device == "cuda" else 1
+    warmup_batch: int = 1  # sequences of the warm-up wave before /ready (LLMEngine.warmup)
+    cudnn_attention: bool = False  # cuDNN SDPA: faster steady decode, a slow first use of each shape
 
     def __post_init__(self) -> None:
         checks = [
@@ -159,7 +153,7 @@ class EngineConfig:
             (self.kv_memory > 0, "--kv-memory must be positive"),
             (self.kv_block_size >= 1, "--kv-block-size must be at least 1"),
             (self.max_batch >= 1, "--max-batch must be at least 1"),
-            (self.warmup_batch is None or 1 <= self.warmup_batch <= self.max_batch,
+            (1 <= self.warmup_batch <= self.max_batch,
              "--warmup-batch must be in 1..--max-batch"),
             (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be at least 2"),
             (self.drain_timeout >= 0, "--drain-timeout must not be negative"),

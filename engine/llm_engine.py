@@ -124,10 +124,10 @@ class LLMEngine:
         """One prefill and one decode through the whole stack (every rank), so the first request
         pays no lazy initialisation; uses the pool's first blocks and leaves no sequence behind.
 
-        ``batch > 1`` then runs one wave of that many short greedy sequences to the end: measured on
-        an H200 (16 layers, hidden 4096), a fresh engine's first wave of 16 took 6.5 s, the next
-        0.45 s (the CUDA caching allocator and kernels for the batch's shapes); a hot standby must
-        not pay that on its first requests after a failover. Capped by what the pool holds."""
+        ``batch > 1`` then runs one wave of that many short greedy sequences to the end (capped by
+        what the pool holds), so the kernels and allocator blocks of a full batch exist before the
+        first request. The slow first use of each attention shape that cuDNN has is avoided by
+        not using cuDNN attention (``cudnn_attention``), which a warm-up could not cover."""
         n = min(5, self.max_len)
         table = (tuple(range(-(-n // self.runner.kv.block_size))),)
         self.runner.run(StepPlan("prefill", (tuple(range(n - 1)),), block_tables=table))

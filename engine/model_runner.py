@@ -39,6 +39,11 @@ class ModelRunner:
         self.cfg, self.model_cfg = cfg, model_cfg
         self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
         self.dtype = getattr(torch, cfg.dtype)
+        if cfg.device == "cuda":
+            # cuDNN's attention builds a plan per new shape: on an H200 a fresh engine's first wave
+            # of 16 ran 4.5x slower than the next (each decode shape new), which a promoted standby
+            # paid after every failover. Flash / memory-efficient attention have no such start.
+            torch.backends.cuda.enable_cudnn_sdp(cfg.cudnn_attention)
         self.max_len = min(cfg.max_model_len or model_cfg.context_len, model_cfg.context_len)
         self.model = CausalLM.from_weights(model_cfg, weights, tp=cfg.tp, fp8=cfg.transform == "fp8-block",
                                            max_len=self.max_len, device=self.device)

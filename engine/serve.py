@@ -44,7 +44,7 @@ def build_engine(cfg: EngineConfig, model_cfg: ModelConfig, keep: dict) -> LLMEn
     runner = ModelRunner(cfg, model_cfg, weights.tensors)
     tokenizer = Tokenizer(cfg.model)
     engine = LLMEngine(runner, tokenizer, model_cfg.eos_token_ids + tokenizer.eos_token_ids)
-    engine.warmup(cfg.warmup_sequences)
+    engine.warmup(cfg.warmup_batch)
     return engine
 
 
