@@ -41,7 +41,7 @@ class ModelRunner:
         self.dtype = getattr(torch, cfg.dtype)
         if cfg.device == "cuda":
             # cuDNN's attention builds a plan per new shape: on an H200 a fresh engine's first wave
-            # of 16 ran 4.5x slower than the next (each decode shape new), which a promoted standby
+            # of 16 took 5.1 s, the next 0.5 s (bench/first_wave.py), which a promoted standby
             # paid after every failover. Flash / memory-efficient attention have no such start.
             torch.backends.cuda.enable_cudnn_sdp(cfg.cudnn_attention)
         self.max_len = min(cfg.max_model_len or model_cfg.context_len, model_cfg.context_len)
