@@ -61,6 +61,16 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds for a whole request body to arrive; past it: 408 (default: %(default)s)")
     p.add_argument("--forward-path", action="append", default=[], metavar="PATH",
                    help=f"forward one more exact path (always: {', '.join(d.forward_paths)}); may repeat")
+    p.add_argument("--max-upstream", type=int, default=d.max_upstream,
+                   help="requests in flight to one instance at once (default: %(default)s)")
+    p.add_argument("--upstream-queue-size", type=int, default=d.upstream_queue_size,
+                   help="requests waiting in the router for one of those (default: %(default)s)")
+    p.add_argument("--loop-lag-tolerance", type=float, default=d.loop_lag_tolerance,
+                   help="a probe timed out while the router's own loop lagged more is not counted "
+                        "(seconds, default: %(default)s)")
+    p.add_argument("--replace-settle-timeout", type=float, default=d.replace_settle_timeout,
+                   help="after a failover, wait at most this for the broken requests to resume before "
+                        "asking for a replacement (seconds, default: %(default)s)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -85,7 +95,9 @@ def main(argv: list[str]) -> int:
             max_retries=args.max_retries, max_migrations=args.max_migrations,
             stall_timeout=args.stall_timeout, max_body_bytes=args.max_body_bytes,
             max_buffered_bytes=args.max_buffered_bytes, body_timeout=args.body_timeout,
-            forward_paths=tuple(dict.fromkeys(d.forward_paths + tuple(args.forward_path))))
+            forward_paths=tuple(dict.fromkeys(d.forward_paths + tuple(args.forward_path))),
+            max_upstream=args.max_upstream, upstream_queue_size=args.upstream_queue_size,
+            loop_lag_tolerance=args.loop_lag_tolerance, replace_settle_timeout=args.replace_settle_timeout)
     except ValueError as exc:
         print(f"failover router: {exc}", file=sys.stderr)
         return 2

@@ -121,9 +121,12 @@ def test_router_body_limits_reach_the_router_and_bad_ones_are_named(tiny_model, 
     from failover.node.bridge import router_config
 
     path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir,
-                        router={"max_body": "1MiB", "max_buffered": "8MiB", "body_timeout": 2.5})
+                        router={"max_body": "1MiB", "max_buffered": "8MiB", "body_timeout": 2.5,
+                                "max_upstream": 7, "upstream_queue_size": 9, "loop_lag_tolerance": 0.3,
+                                "replace_settle_timeout": 0.0})
     rc = router_config(load_config(path))
     assert (rc.max_body_bytes, rc.max_buffered_bytes, rc.body_timeout) == (2**20, 8 * 2**20, 2.5)
+    assert (rc.max_upstream, rc.upstream_queue_size, rc.loop_lag_tolerance, rc.replace_settle_timeout) == (7, 9, 0.3, 0.0)
     path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir,
                         router={"max_body": "2MiB", "max_buffered": "1MiB"})
     assert "router.max_buffered: '1MiB' is less than router.max_body ('2MiB')" in error_of(path)

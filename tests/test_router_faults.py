@@ -191,6 +191,8 @@ async def test_cli_refuses_bad_usage(tmp_path):
     assert code == 2 and "NAME=http" in err
     code, err = await run("--backend", "a=http://127.0.0.1:1", "--standby", "a=http://127.0.0.1:2")
     assert code == 2 and "unique" in err
+    code, err = await run("--backend", "a=http://127.0.0.1:1", "--max-upstream", "0")
+    assert code == 2 and "max_upstream must be at least 1" in err
     token = tmp_path / "token"
     token.write_text("t\n")
     token.chmod(0o644)

@@ -62,6 +62,10 @@ class RouterConfig(_Base):
     max_body: int | str = "16MiB"  # one request body, as sent and once decompressed (else 413)
     max_buffered: int | str = "256MiB"  # all request bodies being read at once (else 503)
     body_timeout: Positive = 15.0  # the whole body must arrive within this (else 408)
+    max_upstream: PositiveInt = 128  # requests in flight to one instance at once
+    upstream_queue_size: NonNegativeInt = 1024  # requests waiting in the router for one of those
+    loop_lag_tolerance: Positive = 0.1  # a probe timed out while the router's loop lagged more: not counted
+    replace_settle_timeout: NonNegative = 2.0  # a replacement waits at most this for the failover to settle
 
     @property
     def max_body_bytes(self) -> int:
