@@ -196,12 +196,13 @@ def query(socket_path, config: CacheConfig, *, timeout: float = 10.0) -> QueryRe
         conn.close()
 
 
-def evict(socket_path, config: CacheConfig, *, timeout: float = 10.0) -> int:
+def evict(socket_path, config: CacheConfig, *, force: bool = False, timeout: float = 10.0) -> int:
     """Make the daemon drop ``config``'s arena; returns its bytes. Clients that mapped it keep their
-    mapping (the memory is freed when the last of them unmaps)."""
+    mapping (the memory is freed when the last of them unmaps). While any client maps it the daemon
+    refuses (ProtocolError code ``in_use``) unless ``force``."""
     conn = Connection(socket_path, timeout=timeout)
     try:
-        return conn.request(Evict(config), Evicted).nbytes
+        return conn.request(Evict(config, force), Evicted).nbytes
     finally:
         conn.close()
 

@@ -49,6 +49,8 @@ class Ping(_Msg, tag="ping"):
 
 class Evict(_Msg, tag="evict"):
     config: CacheConfig
+    # False: refused (in_use) while engines map the model, since a running node relaunches from it
+    force: bool = False
 
 
 # daemon -> client
@@ -123,7 +125,7 @@ Message = Union[Hello, Query, Fetch, Status, Ping, Evict, Welcome, QueryReply, F
                 Pong, Evicted, Error, Register, Registered, LoadFailed]
 TAGS = {cls.__struct_config__.tag for cls in Message.__args__}
 ERROR_CODES = ("bad_frame", "too_large", "malformed", "unknown_type", "unexpected", "bad_version",
-               "timeout", "busy", "forbidden", "not_resident", "mismatch", "internal")
+               "timeout", "busy", "forbidden", "not_resident", "mismatch", "in_use", "internal")
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -285,7 +285,13 @@ class Daemon:
             return Error("mismatch", str(e).split("\n")[0], e.diff), ()
         return Error("unexpected", f"{type(msg).__name__} is not a request a client may send"), ()
 
-    def _evict(self, msg: Evict) -> Evicted:
+    def _evict(self, msg: Evict) -> Evicted | Error:
+        attached = self.registry.find(msg.config).attached
+        if attached and not msg.force:
+            log.warning("evict_refused", key=msg.config.key, attached=attached)
+            return Error("in_use", f"{attached} engine(s) map this model: a running node depends on it to "
+                         "relaunch them; evict with force to drop it anyway (the engines keep their "
+                         "mapping, but none can attach until the daemon loads it again)")
         nbytes = self.registry.evict(msg.config)
         log.info("evicted", key=msg.config.key, bytes=nbytes)
         if len(self.registry) == 0:

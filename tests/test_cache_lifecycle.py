@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import time
 
 import pytest
 
 from cache_daemon import cli
 from cache_daemon.client import attach, evict, ping, status
-from cache_daemon.errors import NotResident
+from cache_daemon.errors import NotResident, ProtocolError
 from cache_daemon.fingerprint import make_config
 from failover.cli import main as failover_main
 from failover.tools.tiny_model import TinySpec, write_checkpoint
@@ -37,12 +38,30 @@ def test_evict_frees_the_daemon_side_and_keeps_client_mappings(tiny_model, run_d
     sock = run_dir / "daemon.sock"
     config = make_config(tiny_model, dtype="float32", tp_size=1, tp_rank=0)
     with attach(sock, config) as mapped:
-        assert evict(sock, config) == mapped.manifest.nbytes
+        # a running node maps it: refused unless forced (an evict by any same-uid client went unnoticed)
+        with pytest.raises(ProtocolError) as refused:
+            evict(sock, config)
+        assert refused.value.code == "in_use" and "force" in str(refused.value)
+        assert status(sock).models[0].attached == 1  # still resident, still served
+        assert evict(sock, config, force=True) == mapped.manifest.nbytes
         assert status(sock).models == [] and arena_fds(proc.pid) == []
         assert not (run_dir / "daemon.ready").exists()  # nothing resident: not ready
         assert digests(mapped.tensors) == disk_digests(tiny_model, 0, tp=1)
         with pytest.raises(NotResident):
             attach(sock, config)
+    assert stop_daemon(proc)[0] == 0
+
+
+def test_a_model_nobody_maps_is_evicted_without_force(tiny_model, run_dir, procs):
+    proc = start_daemon(procs, tiny_model, run_dir)
+    sock = run_dir / "daemon.sock"
+    config = make_config(tiny_model, dtype="float32", tp_size=1, tp_rank=0)
+    with attach(sock, config):
+        pass  # attached, then gone: the daemon counts it off when the connection closes
+    deadline = time.monotonic() + 5
+    while status(sock).models[0].attached and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert evict(sock, config) > 0 and status(sock).models == []
     assert stop_daemon(proc)[0] == 0
 
 
