@@ -20,7 +20,7 @@ import structlog
 from cache_daemon.layout import resolve_dtype as resolve_checkpoint_dtype, undivided_by_tp
 from cache_daemon.settings import SOCKET_NAME, default_run_dir
 from engine.admin_auth import read_token
-from engine.config import DTYPES, TRANSFORMS, WEIGHT_SOURCES, ConfigError, EngineConfig, ModelConfig
+from engine.config import DTYPES, KV_BLOCK_SIZE, TRANSFORMS, WEIGHT_SOURCES, ConfigError, EngineConfig, ModelConfig
 # Imported here, not in main(): a zygote that imports engine.cli then pays for torch, aiohttp and the
 # model code once, before it forks. Importing them starts no thread, event loop or CUDA context.
 from engine.serve import serve
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transform", choices=TRANSFORMS, default="none", help="weight transform (fp8-block)")
     p.add_argument("--kv-memory", type=parse_bytes, default=256 << 20,
                    help="KV cache budget per rank: bytes, or with a unit (256MiB, 1GiB; KB/MB/GB are decimal)")
-    p.add_argument("--kv-block-size", type=int, default=16, help="positions per KV cache block")
+    p.add_argument("--kv-block-size", type=int, default=KV_BLOCK_SIZE, help="positions per KV cache block")
     p.add_argument("--max-batch", type=int, default=16, help="most sequences decoded together")
     p.add_argument("--warmup-batch", type=int, default=1,
                    help="sequences in one warm-up wave run to the end before /ready")

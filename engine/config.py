@@ -13,6 +13,14 @@ from pathlib import Path
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 WEIGHT_SOURCES = ("cache", "disk", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KV_BLOCK_SIZE = 16  # positions per KV block, by default
+
+
+def kv_block_bytes(layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: str) -> int:
+    """Bytes of one KV block (keys and values of ``block_size`` positions, every layer), per rank.
+    Torch-free, so the supervisor sizes pools with the engine's own arithmetic."""
+    return 2 * layers * kv_heads * block_size * head_dim * DTYPE_BYTES[dtype]
 TRANSFORMS = ("none", "fp8-block")
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 
@@ -131,7 +139,7 @@ class EngineConfig:
     dtype: str = "float32"
     transform: str = "none"
     kv_memory: int = 256 << 20
-    kv_block_size: int = 16  # positions per KV block
+    kv_block_size: int = KV_BLOCK_SIZE  # positions per KV block
     max_batch: int = 16
     max_model_len: int | None = None
     served_model_name: str = ""

@@ -25,8 +25,10 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from engine.config import KV_BLOCK_SIZE, kv_block_bytes
+
 log = structlog.get_logger(__name__)
-DEFAULT_BLOCK_SIZE = 16
+DEFAULT_BLOCK_SIZE = KV_BLOCK_SIZE
 CHUNKS_PER_ALLOCATION = 4
 # (chunk, rows of the step's flat index list or None for all rows in order, ids inside the chunk)
 Part = tuple[int, torch.Tensor | None, torch.Tensor]
@@ -37,7 +39,7 @@ class KVBudgetError(ValueError):
 
 
 def bytes_per_block(layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * layers * kv_heads * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
+    return kv_block_bytes(layers, kv_heads, head_dim, block_size, str(dtype).removeprefix("torch."))
 
 
 @dataclass
