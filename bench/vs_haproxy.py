@@ -1,6 +1,11 @@
 """Our router and HAProxy side by side: same engines, same load, same kill -9 schedule.
 
-    python3 bench/vs_haproxy.py [--kills 10] [--interval 8] [--concurrency 4]
+    python3 bench/vs_haproxy.py [--kills 10] [--interval 8] [--concurrency 4] [--loop uvloop --loop asyncio]
+    python3 bench/vs_haproxy.py --profile DIR     # py-spy (pip install py-spy) on the router process
+
+The router runs in a process of its own (as HAProxy does, and as in production), with the engines
+it launches; `--in-process` puts it on the bench's own event loop instead, as before issue 20, where
+the load generator's work and the router's serialise on one core. One router phase per `--loop`.
 
 HAProxy comes from the distribution (`apt-get install haproxy`); this script installs nothing. It is
 configured as aggressively as it allows: primary as a normal server, standby as `backup`,
@@ -15,7 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
+import secrets
 import shutil
 import signal
 import subprocess
@@ -32,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines import EngineProc, free_port  # noqa: E402
 from client_figures import line as client_line  # noqa: E402
-from loadgen import Load, percentile, summary  # noqa: E402
+from loadgen import Load, closed_loop, percentile, summary  # noqa: E402
 
 HAPROXY_CFG = """
 global
@@ -84,7 +91,9 @@ async def drive(load: Load, kills: int, interval: float, concurrency: int, kill_
     return summary(load.outcomes, faults, time.monotonic() - t0)
 
 
-async def phase_router(model: Path, args, logs: Path) -> dict:
+async def start_router(model: Path, logs: Path, port: int, token: Path):
+    """Two engines, a router in front of them and a launcher that replaces a fenced one by a fresh
+    standby (what the supervisor does). Returns (router, engines)."""
     from router.app import Router
     from router.config import RouterConfig
 
@@ -104,36 +113,109 @@ async def phase_router(model: Path, args, logs: Path) -> dict:
         async def preempt(self, service: str) -> None: ...
         async def resume(self, service: str) -> None: ...
 
-    router = Router(RouterConfig(port=free_port()), BenchLauncher())
+    router = Router(RouterConfig(port=port, admin_token_file=token), BenchLauncher())
     first = [EngineProc(model, log_dir=logs) for _ in range(2)]
     await asyncio.gather(*(e.wait_ready() for e in first))
     for e, role in zip(first, ("primary", "standby")):
         engines[f"e{e.port}"] = e
         router.add_instance("default", f"e{e.port}", e.url, role, e.pid)
     await router.start()
-    try:
-        ov = await overhead(first[0].url, router.url, args.overhead_n)
+    return router, engines
+
+
+async def stop_router(router, engines: dict) -> None:
+    await router.stop()
+    for e in engines.values():
+        e.kill()
+
+
+async def router_child(args) -> int:
+    """--router-child: the router phase's router, in this process, until SIGTERM."""
+    from failover_common.logs import configure_logging
+    from failover_common.proc import die_with_parent
+
+    die_with_parent(signal.SIGTERM)
+    configure_logging("warning", process="vs-haproxy-router")
+    router, engines = await start_router(Path(args.model), Path(args.logs), args.port, Path(args.token))
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    print(f"ready {os.getpid()}", flush=True)
+    await stop.wait()
+    await stop_router(router, engines)
+    return 0
+
+
+class RouterSide:
+    """The router under test, in a child process (default) or in this one; status from its admin API."""
+
+    def __init__(self, model: Path, logs: Path, loop: str, in_process: bool, profile: Path | None) -> None:
+        self.model, self.logs, self.loop, self.in_process, self.profile = model, logs, loop, in_process, profile
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.token = logs / f"admin-token-{self.port}"
+        self.token.write_text(secrets.token_hex(16))
+        self.token.chmod(0o600)
+        self.proc: subprocess.Popen | None = None
+        self.pid: int | None = None
+        self.inproc = None
+
+    async def __aenter__(self) -> RouterSide:
+        if self.in_process:
+            self.inproc = await start_router(self.model, self.logs, self.port, self.token)
+            return self
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--router-child", "--model", str(self.model),
+               "--logs", str(self.logs), "--port", str(self.port), "--token", str(self.token), "--loop", self.loop]
+        if self.profile is not None:
+            self.profile.mkdir(parents=True, exist_ok=True)
+            out = self.profile / f"router-{self.loop}.txt"
+            cmd = [shutil.which("py-spy") or "py-spy", "record", "-f", "raw", "-r", "250", "-o", str(out), "--", *cmd]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+        line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), 180)
+        if not line.startswith("ready "):
+            raise RuntimeError(f"router child did not start: {line!r}")
+        self.pid = int(line.split()[1])
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self.inproc is not None:
+            await stop_router(*self.inproc)
+            return
+        os.kill(self.pid, signal.SIGTERM)
+        await asyncio.to_thread(self.proc.wait, 60)
+
+    async def status(self, s: aiohttp.ClientSession) -> dict:
+        if self.inproc is not None:
+            return self.inproc[0].status()["services"][0]
+        async with s.get(self.url + "/admin/status",
+                         headers={"Authorization": f"Bearer {self.token.read_text()}"}) as r:
+            r.raise_for_status()
+            return (await r.json())["services"][0]
+
+
+async def phase_router(model: Path, args, logs: Path, loop: str) -> dict:
+    async with RouterSide(model, logs, loop, args.in_process, args.profile) as side, aiohttp.ClientSession() as s:
+        primary = next(i for i in (await side.status(s))["instances"] if i["role"] == "primary")
+        ov = await overhead(primary["url"], side.url, args.overhead_n)
+        models = {"models_direct_rps": round(await closed_loop(primary["url"] + "/v1/models", 16, args.models_s)),
+                  "models_rps": round(await closed_loop(side.url + "/v1/models", 16, args.models_s))}
 
         async def kill_primary() -> float:
-            svc = router.services["default"]
             # as in the HAProxy phase, where the backup is never the one killed, a ready standby
             # must be there: the previous kill's replacement may still be starting
-            while svc.routable() is None or not any(i.ready for i in svc.standbys()):
+            while True:
+                st = await side.status(s)
+                prim = [i for i in st["instances"] if i["role"] == "primary" and i["ready"]]
+                if prim and any(i["role"] == "standby" and i["ready"] for i in st["instances"]):
+                    break
                 await asyncio.sleep(0.05)
-            name = svc.routable().name
             t = time.monotonic()
-            engines[name].signal(signal.SIGKILL)
+            os.killpg(prim[0]["pid"], signal.SIGKILL)  # EngineProc starts each engine in its own group
             return t
 
-        load = Load(router.url, seed=args.seed)
-        async with aiohttp.ClientSession() as s:
-            await load.learn_expected(s)
+        load = Load(side.url, seed=args.seed)
+        await load.learn_expected(s)
         result = await drive(load, args.kills, args.interval, args.concurrency, kill_primary)
-    finally:
-        await router.stop()
-        for e in engines.values():
-            e.kill()
-    return result | ov
+    return result | ov | models
 
 
 async def phase_haproxy(model: Path, args, logs: Path) -> dict:
@@ -147,6 +229,8 @@ async def phase_haproxy(model: Path, args, logs: Path) -> dict:
     try:
         await asyncio.sleep(1.0)
         ov = await overhead(servers["primary"].url, url, args.overhead_n)
+        models = {"models_direct_rps": round(await closed_loop(servers["primary"].url + "/v1/models", 16, args.models_s)),
+                  "models_rps": round(await closed_loop(url + "/v1/models", 16, args.models_s))}
 
         async def kill_primary() -> float:
             t = time.monotonic()
@@ -163,39 +247,75 @@ async def phase_haproxy(model: Path, args, logs: Path) -> dict:
         hap.wait(10)
         for e in servers.values():
             e.kill()
-    return result | ov
+    return result | ov | models
 
 
-def print_report(ours: dict, theirs: dict) -> None:
+# (metric, target for router / haproxy, or for the router's own figure with "abs")
+TARGETS = {"rps": (">=", 0.95), "latency_p50_ms": ("<=", 1.10), "latency_p99_ms": ("<=", 1.10),
+           "added_p50_ms": ("abs<=", 0.15), "longest_stream_stall_ms": ("<=", 1.0),
+           "failed": ("abs<=", 0), "broken_streams": ("abs<=", 0)}
+
+
+def _verdict(key: str, a, b) -> str:
+    if key not in TARGETS or not isinstance(a, (int, float)):
+        return ""
+    op, target = TARGETS[key]
+    if op == "abs<=":
+        return "ok" if a <= target else f"MISS (<= {target})"
+    if not isinstance(b, (int, float)) or b <= 0:
+        return ""
+    r = a / b
+    good = r >= target if op == ">=" else r <= target
+    return "ok" if good else f"MISS ({op} {target})"
+
+
+def print_report(ours: dict[str, dict], theirs: dict) -> None:
     keys = ["requests", "failed", "broken_streams", "blackout_p50_ms", "blackout_p99_ms", "longest_stream_stall_ms",
-            "latency_p50_ms", "latency_p99_ms", "added_p50_ms", "added_p99_ms", "rps"]
-    print(f"{'metric':<26}{'failover router':>18}{'haproxy':>12}{'ratio':>10}")
+            "latency_p50_ms", "latency_p99_ms", "added_p50_ms", "added_p99_ms", "rps", "models_rps",
+            "models_direct_rps"]
+    names = [f"router/{loop}" for loop in ours]
+    print(f"{'metric':<26}" + "".join(f"{n:>16}" for n in names) + f"{'haproxy':>10}"
+          + "".join(f"{'ratio ' + n.split('/')[1]:>16}{'target':>18}" for n in names))
     for k in keys:
-        a, b = ours.get(k), theirs.get(k)
-        ratio = f"{b / a:.1f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a > 0 else "-"
-        print(f"{k:<26}{a!s:>18}{b!s:>12}{ratio:>10}")
-    print(client_line("failover router", ours["client"]))
+        b = theirs.get(k)
+        row = f"{k:<26}" + "".join(f"{r.get(k)!s:>16}" for r in ours.values()) + f"{b!s:>10}"
+        for r in ours.values():
+            a = r.get(k)
+            ratio = f"{a / b:.2f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else "-"
+            row += f"{ratio:>16}{_verdict(k, a, b):>18}"
+        print(row)
+    print("ratio = router / haproxy; models_rps at 16 clients (router's models_direct_rps: its primary, direct)")
+    for loop, r in ours.items():
+        print(client_line(f"failover router ({loop})", r["client"]))
+        print(f"failed_by_cause router ({loop}):", json.dumps(r["failed_by_cause"]))
     print(client_line("haproxy", theirs["client"]))
-    print("failed_by_cause  router:", json.dumps(ours["failed_by_cause"]), " haproxy:", json.dumps(theirs["failed_by_cause"]))
+    print("failed_by_cause haproxy:", json.dumps(theirs["failed_by_cause"]))
 
 
 async def main_async(args) -> int:
     from failover_common.logs import configure_logging
     from failover.tools.tiny_model import TinySpec, write_checkpoint
+    from router import evloop
 
     configure_logging("warning", process="vs-haproxy")
 
     if shutil.which("haproxy") is None:
         print("haproxy not found: install it from your distribution (e.g. apt-get install haproxy)", file=sys.stderr)
         return 2
+    loops = args.loop or ["auto"]
     with tempfile.TemporaryDirectory(prefix="vs-haproxy-") as tmp:
         tmp = Path(tmp)
         model = write_checkpoint(tmp / "model", TinySpec(layers=2, hidden=64))
         version = subprocess.run(["haproxy", "-v"], capture_output=True, text=True).stdout.split("\n")[0]
+        where = "in the bench's process" if args.in_process else "own process"
         print(f"# vs_haproxy  {date.today()}  {platform.node()}  {platform.processor() or platform.machine()}"
-              f"  kills={args.kills} interval={args.interval}s concurrency={args.concurrency}  {version}")
-        ours = await phase_router(model, args, tmp)
+              f"  kills={args.kills} interval={args.interval}s concurrency={args.concurrency}  {version}"
+              f"  router: {where}, loops {[evloop.name(k) for k in loops]}  load average {os.getloadavg()[0]:.2f}")
+        ours = {}
+        for loop in loops:
+            ours[evloop.name(loop) if not args.in_process else "in-process"] = await phase_router(model, args, tmp, loop)
         theirs = await phase_haproxy(model, args, tmp)
+        print(f"# load average after: {os.getloadavg()[0]:.2f}")
         print_report(ours, theirs)
     return 0
 
@@ -207,7 +327,22 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--overhead-n", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
-    return asyncio.run(main_async(p.parse_args()))
+    p.add_argument("--models-s", type=float, default=3.0, help="seconds of /v1/models at 16 clients, each way")
+    p.add_argument("--loop", action="append", choices=("auto", "uvloop", "asyncio"),
+                   help="the router's event loop; repeat for one router phase each (default: auto)")
+    p.add_argument("--in-process", action="store_true", help="run the router on the bench's own loop")
+    p.add_argument("--profile", type=Path, help="py-spy the router process; raw stacks into DIR")
+    p.add_argument("--router-child", action="store_true", help=argparse.SUPPRESS)
+    for hidden in ("--model", "--logs", "--token"):
+        p.add_argument(hidden, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.router_child:
+        from router import evloop
+        return evloop.run(router_child(args), args.loop[0] if args.loop else "auto")
+    if args.in_process and args.profile:
+        p.error("--profile samples the router's own process: drop --in-process")
+    return asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":
