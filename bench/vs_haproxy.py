@@ -78,17 +78,47 @@ async def overhead(direct: str, proxied: str, n: int) -> dict:
     return {"added_p50_ms": round((p50 - d50) * 1e3, 2), "added_p99_ms": round((p99 - d99) * 1e3, 2)}
 
 
-async def drive(load: Load, kills: int, interval: float, concurrency: int, kill_primary) -> dict:
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (its own, not its children's)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def where_stalled(outcomes, faults: list[float]) -> dict:
+    """The run's longest gap inside one stream: how long, how long after the last fault it began,
+    and whether its stream was in flight at that fault (a migrated or retried one) or began later."""
+    best = (0.0, None, None)
+    for o in outcomes:
+        if not o.stream:
+            continue
+        ev = [o.start, *sorted(o.tokens), o.end]
+        for a, b in zip(ev, ev[1:]):
+            if b - a > best[0]:
+                best = (b - a, a, o)
+    gap, at, o = best
+    before = [f for f in faults if f <= at] if at is not None else []
+    if not before:
+        return {"longest_stall_ms": round(gap * 1e3, 1), "after_fault_ms": None, "in_flight_at_fault": False}
+    f = before[-1]
+    return {"longest_stall_ms": round(gap * 1e3, 1), "after_fault_ms": round((at - f) * 1e3, 1),
+            "in_flight_at_fault": o.start <= f < o.end}
+
+
+async def drive(load: Load, kills: int, interval: float, concurrency: int, kill_primary, pid: int | None) -> dict:
     stop = asyncio.Event()
     runner = asyncio.create_task(load.run(concurrency, stop))
     faults, t0 = [], time.monotonic()
+    cpu0 = cpu_s(pid) if pid else None
     await asyncio.sleep(interval / 2)
     for _ in range(kills):
         faults.append(await kill_primary())
         await asyncio.sleep(interval)
     stop.set()
     await runner
-    return summary(load.outcomes, faults, time.monotonic() - t0)
+    out = summary(load.outcomes, faults, time.monotonic() - t0)
+    if cpu0 is not None:  # the proxy's own CPU per request of the load (probes and failovers included)
+        out["proxy_cpu_ms_per_req"] = round((cpu_s(pid) - cpu0) * 1e3 / max(1, len(load.outcomes)), 3)
+    return out | {"stall": where_stalled(load.outcomes, faults)}
 
 
 async def start_router(model: Path, logs: Path, port: int, token: Path):
@@ -168,11 +198,16 @@ class RouterSide:
         if self.profile is not None:
             self.profile.mkdir(parents=True, exist_ok=True)
             out = self.profile / f"router-{self.loop}.txt"
-            cmd = [shutil.which("py-spy") or "py-spy", "record", "-f", "raw", "-r", "250", "-o", str(out), "--", *cmd]
+            spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+            if spy is None:
+                raise RuntimeError("--profile needs py-spy: pip install py-spy")
+            cmd = [spy, "record", "-f", "raw", "-r", "250", "-o", str(out), "--", *cmd]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
-        line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), 180)
-        if not line.startswith("ready "):
-            raise RuntimeError(f"router child did not start: {line!r}")
+        line = ""
+        while not line.startswith("ready "):  # py-spy says things on the same stdout first
+            line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), 180)
+            if not line:
+                raise RuntimeError(f"router child exited with {self.proc.wait()} before it was ready")
         self.pid = int(line.split()[1])
         return self
 
@@ -181,15 +216,18 @@ class RouterSide:
             await stop_router(*self.inproc)
             return
         os.kill(self.pid, signal.SIGTERM)
-        await asyncio.to_thread(self.proc.wait, 60)
+        await asyncio.to_thread(self.proc.communicate, None, 60)
 
-    async def status(self, s: aiohttp.ClientSession) -> dict:
+    async def status(self, s: aiohttp.ClientSession, full: bool = False) -> dict:
+        """The service's status, or with ``full`` the whole answer (``last_failover`` too)."""
         if self.inproc is not None:
-            return self.inproc[0].status()["services"][0]
-        async with s.get(self.url + "/admin/status",
-                         headers={"Authorization": f"Bearer {self.token.read_text()}"}) as r:
-            r.raise_for_status()
-            return (await r.json())["services"][0]
+            st = self.inproc[0].status()
+        else:
+            async with s.get(self.url + "/admin/status",
+                             headers={"Authorization": f"Bearer {self.token.read_text()}"}) as r:
+                r.raise_for_status()
+                st = await r.json()
+        return st if full else st["services"][0]
 
 
 async def phase_router(model: Path, args, logs: Path, loop: str) -> dict:
@@ -199,9 +237,15 @@ async def phase_router(model: Path, args, logs: Path, loop: str) -> dict:
         models = {"models_direct_rps": round(await closed_loop(primary["url"] + "/v1/models", 16, args.models_s)),
                   "models_rps": round(await closed_loop(side.url + "/v1/models", 16, args.models_s))}
 
+        records: list[dict | None] = []  # the router's own record of each failover
+        faults_done: list[int] = []
+
         async def kill_primary() -> float:
             # as in the HAProxy phase, where the backup is never the one killed, a ready standby
             # must be there: the previous kill's replacement may still be starting
+            if records or faults_done:
+                records.append((await side.status(s, full=True))["last_failover"].get("default"))
+            faults_done.append(1)
             while True:
                 st = await side.status(s)
                 prim = [i for i in st["instances"] if i["role"] == "primary" and i["ready"]]
@@ -214,8 +258,11 @@ async def phase_router(model: Path, args, logs: Path, loop: str) -> dict:
 
         load = Load(side.url, seed=args.seed)
         await load.learn_expected(s)
-        result = await drive(load, args.kills, args.interval, args.concurrency, kill_primary)
-    return result | ov | models
+        pid = side.pid if not args.in_process else os.getpid()
+        result = await drive(load, args.kills, args.interval, args.concurrency, kill_primary, pid)
+        await asyncio.sleep(0.5)
+        records.append((await side.status(s, full=True))["last_failover"].get("default"))
+    return result | ov | models | {"records": [r for r in records if r]}
 
 
 async def phase_haproxy(model: Path, args, logs: Path) -> dict:
@@ -241,7 +288,7 @@ async def phase_haproxy(model: Path, args, logs: Path) -> dict:
         load = Load(url, seed=args.seed)
         async with aiohttp.ClientSession() as s:
             await load.learn_expected(s)
-        result = await drive(load, args.kills, args.interval, args.concurrency, kill_primary)
+        result = await drive(load, args.kills, args.interval, args.concurrency, kill_primary, hap.pid)
     finally:
         hap.send_signal(signal.SIGTERM)
         hap.wait(10)
@@ -272,7 +319,7 @@ def _verdict(key: str, a, b) -> str:
 def print_report(ours: dict[str, dict], theirs: dict) -> None:
     keys = ["requests", "failed", "broken_streams", "blackout_p50_ms", "blackout_p99_ms", "longest_stream_stall_ms",
             "latency_p50_ms", "latency_p99_ms", "added_p50_ms", "added_p99_ms", "rps", "models_rps",
-            "models_direct_rps"]
+            "models_direct_rps", "proxy_cpu_ms_per_req"]
     names = [f"router/{loop}" for loop in ours]
     print(f"{'metric':<26}" + "".join(f"{n:>16}" for n in names) + f"{'haproxy':>10}"
           + "".join(f"{'ratio ' + n.split('/')[1]:>16}{'target':>18}" for n in names))
@@ -287,9 +334,13 @@ def print_report(ours: dict[str, dict], theirs: dict) -> None:
     print("ratio = router / haproxy; models_rps at 16 clients (router's models_direct_rps: its primary, direct)")
     for loop, r in ours.items():
         print(client_line(f"failover router ({loop})", r["client"]))
-        print(f"failed_by_cause router ({loop}):", json.dumps(r["failed_by_cause"]))
+        recs = list({rec["at"]: rec for rec in r["records"]}.values())
+        print(f"router's own record ({loop}) over {len(recs)} failovers: "
+              + "; ".join(f"{k} p50={percentile([x[k] for x in recs], 50)} max={max((x[k] for x in recs), default=None)}"
+                          for k in ("detect_ms", "switch_ms", "blackout_ms")))
+        print(f"failed_by_cause router ({loop}):", json.dumps(r["failed_by_cause"]), " longest stall:", json.dumps(r["stall"]))
     print(client_line("haproxy", theirs["client"]))
-    print("failed_by_cause haproxy:", json.dumps(theirs["failed_by_cause"]))
+    print("failed_by_cause haproxy:", json.dumps(theirs["failed_by_cause"]), " longest stall:", json.dumps(theirs["stall"]))
 
 
 async def main_async(args) -> int:

@@ -38,6 +38,7 @@ REQUEST_DROP = HOP_BY_HOP | {"content-encoding"}
 RESPONSE_DROP = HOP_BY_HOP | {"server", "date", "content-encoding"}
 # The engine says "not now" (starting, draining, overloaded): try the next primary.
 RETRY_STATUS = frozenset({502, 503, 504})
+DRAIN_TIMEOUT = 0.5  # after [DONE]: how long the end of the upstream response may take to arrive
 
 
 def error_body(message: str, type_: str, code: int) -> dict:
@@ -235,6 +236,7 @@ class Proxy:
             attempt.unwatch()
         await relay.finish()  # [DONE] came: still disarmed, so a fence cannot cut the close
         self._count(service, 200, relay.first_byte_at, t0)
+        await _drain(up)
         return relay.response
 
     async def _no_primary(self, service: Service, relay: StreamRelay | None, exc: NoPrimary) -> web.StreamResponse:
@@ -286,6 +288,20 @@ def _parse(body: bytes | bytearray) -> dict | None:
     except msgspec.DecodeError:
         return None
     return obj if isinstance(obj, dict) else None
+
+
+async def _drain(up: aiohttp.ClientResponse) -> None:
+    """Read the stream's end (its last chunk follows [DONE]) so that aiohttp returns the connection
+    to the instance's pool: released before its payload ended, it is closed, and the next request
+    pays a connect on both sides. The client already has its whole answer; nothing is waited long."""
+    if up.content.at_eof():
+        return
+    try:
+        async with asyncio.timeout(DRAIN_TIMEOUT):
+            while await up.content.readany():
+                pass
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        pass  # the connection is closed instead of pooled: nothing lost
 
 
 def _is_json_object(data: bytes) -> bool:
