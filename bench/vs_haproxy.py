@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import platform
-import secrets
 import shutil
 import signal
 import subprocess
@@ -40,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engines import EngineProc, free_port  # noqa: E402
 from client_figures import line as client_line  # noqa: E402
 from loadgen import Load, closed_loop, percentile, summary  # noqa: E402
+from router_side import RouterSide, replacement  # noqa: E402
 
 HAPROXY_CFG = """
 global
@@ -76,6 +76,28 @@ async def overhead(direct: str, proxied: str, n: int) -> dict:
     d50, p50 = percentile(lat["direct"], 50), percentile(lat["proxied"], 50)
     d99, p99 = percentile(lat["direct"], 99), percentile(lat["proxied"], 99)
     return {"added_p50_ms": round((p50 - d50) * 1e3, 2), "added_p99_ms": round((p99 - d99) * 1e3, 2)}
+
+
+async def resume_prefill(direct: str, n: int, resumed: int = 15) -> float:
+    """What re-prefilling a migrated stream costs the new primary, direct to one engine: the next
+    token of a stream resumed after ``resumed`` tokens (prompt + those re-prefilled) minus a fresh
+    request's first token (prompt only), p50 ms. This bounds what pre-prefilling on the standby
+    could save a migrated stream."""
+    lat: dict[bool, list[float]] = {False: [], True: []}
+    async with aiohttp.ClientSession() as s:
+        async with s.get(direct + "/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        base = {"model": model, "prompt": "The primary engine fails", "temperature": 0.0}
+        async with s.post(direct + "/v1/completions", json=base | {"max_tokens": resumed, "ignore_eos": True}) as r:
+            ids = (await r.json())["choices"][0]["token_ids"][:resumed]
+        for i in range(2 * n):
+            res = i % 2 == 1
+            body = base | ({"max_tokens": len(ids) + 1, "resume_token_ids": ids} if res else {"max_tokens": 1})
+            t = time.perf_counter()
+            async with s.post(direct + "/v1/completions", json=body) as r:
+                await r.read()
+            lat[res].append(time.perf_counter() - t)
+    return round((percentile(lat[True], 50) - percentile(lat[False], 50)) * 1e3, 2)
 
 
 def cpu_s(pid: int) -> float:
@@ -121,119 +143,11 @@ async def drive(load: Load, kills: int, interval: float, concurrency: int, kill_
     return out | {"stall": where_stalled(load.outcomes, faults)}
 
 
-async def start_router(model: Path, logs: Path, port: int, token: Path):
-    """Two engines, a router in front of them and a launcher that replaces a fenced one by a fresh
-    standby (what the supervisor does). Returns (router, engines)."""
-    from router.app import Router
-    from router.config import RouterConfig
-
-    engines: dict[str, EngineProc] = {}
-
-    class BenchLauncher:
-        async def request_standby(self, service: str) -> None:
-            e = EngineProc(model, log_dir=logs)
-            name = f"e{e.port}"
-            engines[name] = e
-            await e.wait_ready()
-            router.add_instance(service, name, e.url, "standby", e.pid)
-
-        async def fence(self, name: str) -> None:
-            engines[name].kill()
-
-        async def preempt(self, service: str) -> None: ...
-        async def resume(self, service: str) -> None: ...
-
-    router = Router(RouterConfig(port=port, admin_token_file=token), BenchLauncher())
-    first = [EngineProc(model, log_dir=logs) for _ in range(2)]
-    await asyncio.gather(*(e.wait_ready() for e in first))
-    for e, role in zip(first, ("primary", "standby")):
-        engines[f"e{e.port}"] = e
-        router.add_instance("default", f"e{e.port}", e.url, role, e.pid)
-    await router.start()
-    return router, engines
-
-
-async def stop_router(router, engines: dict) -> None:
-    await router.stop()
-    for e in engines.values():
-        e.kill()
-
-
-async def router_child(args) -> int:
-    """--router-child: the router phase's router, in this process, until SIGTERM."""
-    from failover_common.logs import configure_logging
-    from failover_common.proc import die_with_parent
-
-    die_with_parent(signal.SIGTERM)
-    configure_logging("warning", process="vs-haproxy-router")
-    router, engines = await start_router(Path(args.model), Path(args.logs), args.port, Path(args.token))
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    print(f"ready {os.getpid()}", flush=True)
-    await stop.wait()
-    await stop_router(router, engines)
-    return 0
-
-
-class RouterSide:
-    """The router under test, in a child process (default) or in this one; status from its admin API."""
-
-    def __init__(self, model: Path, logs: Path, loop: str, in_process: bool, profile: Path | None) -> None:
-        self.model, self.logs, self.loop, self.in_process, self.profile = model, logs, loop, in_process, profile
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.token = logs / f"admin-token-{self.port}"
-        self.token.write_text(secrets.token_hex(16))
-        self.token.chmod(0o600)
-        self.proc: subprocess.Popen | None = None
-        self.pid: int | None = None
-        self.inproc = None
-
-    async def __aenter__(self) -> RouterSide:
-        if self.in_process:
-            self.inproc = await start_router(self.model, self.logs, self.port, self.token)
-            return self
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--router-child", "--model", str(self.model),
-               "--logs", str(self.logs), "--port", str(self.port), "--token", str(self.token), "--loop", self.loop]
-        if self.profile is not None:
-            self.profile.mkdir(parents=True, exist_ok=True)
-            out = self.profile / f"router-{self.loop}.txt"
-            spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
-            if spy is None:
-                raise RuntimeError("--profile needs py-spy: pip install py-spy")
-            cmd = [spy, "record", "-f", "raw", "-r", "250", "-o", str(out), "--", *cmd]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
-        line = ""
-        while not line.startswith("ready "):  # py-spy says things on the same stdout first
-            line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), 180)
-            if not line:
-                raise RuntimeError(f"router child exited with {self.proc.wait()} before it was ready")
-        self.pid = int(line.split()[1])
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        if self.inproc is not None:
-            await stop_router(*self.inproc)
-            return
-        os.kill(self.pid, signal.SIGTERM)
-        await asyncio.to_thread(self.proc.communicate, None, 60)
-
-    async def status(self, s: aiohttp.ClientSession, full: bool = False) -> dict:
-        """The service's status, or with ``full`` the whole answer (``last_failover`` too)."""
-        if self.inproc is not None:
-            st = self.inproc[0].status()
-        else:
-            async with s.get(self.url + "/admin/status",
-                             headers={"Authorization": f"Bearer {self.token.read_text()}"}) as r:
-                r.raise_for_status()
-                st = await r.json()
-        return st if full else st["services"][0]
-
-
 async def phase_router(model: Path, args, logs: Path, loop: str) -> dict:
-    async with RouterSide(model, logs, loop, args.in_process, args.profile) as side, aiohttp.ClientSession() as s:
+    async with RouterSide(model, logs, loop, args) as side, aiohttp.ClientSession() as s:
         primary = next(i for i in (await side.status(s))["instances"] if i["role"] == "primary")
         ov = await overhead(primary["url"], side.url, args.overhead_n)
+        ov["resume_prefill_ms"] = await resume_prefill(primary["url"], max(10, args.overhead_n // 4))
         models = {"models_direct_rps": round(await closed_loop(primary["url"] + "/v1/models", 16, args.models_s)),
                   "models_rps": round(await closed_loop(side.url + "/v1/models", 16, args.models_s))}
 
@@ -279,10 +193,15 @@ async def phase_haproxy(model: Path, args, logs: Path) -> dict:
         models = {"models_direct_rps": round(await closed_loop(servers["primary"].url + "/v1/models", 16, args.models_s)),
                   "models_rps": round(await closed_loop(url + "/v1/models", 16, args.models_s))}
 
+        starting: set[asyncio.Task] = set()
+
         async def kill_primary() -> float:
             t = time.monotonic()
             servers["primary"].kill()
-            servers["primary"] = EngineProc(model, p1, log_dir=logs)  # back on the port HAProxy knows
+            servers["primary"] = e = EngineProc(model, p1, log_dir=logs)  # back on the port HAProxy knows
+            task = asyncio.create_task(replacement(e, args.nice_replacement))
+            starting.add(task)
+            task.add_done_callback(starting.discard)
             return t
 
         load = Load(url, seed=args.seed)
@@ -319,7 +238,7 @@ def _verdict(key: str, a, b) -> str:
 def print_report(ours: dict[str, dict], theirs: dict) -> None:
     keys = ["requests", "failed", "broken_streams", "blackout_p50_ms", "blackout_p99_ms", "longest_stream_stall_ms",
             "latency_p50_ms", "latency_p99_ms", "added_p50_ms", "added_p99_ms", "rps", "models_rps",
-            "models_direct_rps", "proxy_cpu_ms_per_req"]
+            "models_direct_rps", "proxy_cpu_ms_per_req", "resume_prefill_ms"]
     names = [f"router/{loop}" for loop in ours]
     print(f"{'metric':<26}" + "".join(f"{n:>16}" for n in names) + f"{'haproxy':>10}"
           + "".join(f"{'ratio ' + n.split('/')[1]:>16}{'target':>18}" for n in names))
@@ -361,7 +280,8 @@ async def main_async(args) -> int:
         where = "in the bench's process" if args.in_process else "own process"
         print(f"# vs_haproxy  {date.today()}  {platform.node()}  {platform.processor() or platform.machine()}"
               f"  kills={args.kills} interval={args.interval}s concurrency={args.concurrency}  {version}"
-              f"  router: {where}, loops {[evloop.name(k) for k in loops]}  load average {os.getloadavg()[0]:.2f}")
+              f"  router: {where}, loops {[evloop.name(k) for k in loops]}  nice-replacement={args.nice_replacement}"
+              f"  load average {os.getloadavg()[0]:.2f}")
         ours = {}
         for loop in loops:
             ours[evloop.name(loop) if not args.in_process else "in-process"] = await phase_router(model, args, tmp, loop)
@@ -381,16 +301,11 @@ def main() -> int:
     p.add_argument("--models-s", type=float, default=3.0, help="seconds of /v1/models at 16 clients, each way")
     p.add_argument("--loop", action="append", choices=("auto", "uvloop", "asyncio"),
                    help="the router's event loop; repeat for one router phase each (default: auto)")
+    p.add_argument("--nice-replacement", type=int, default=0, metavar="N",
+                   help="start each replacement engine (both phases) at nice N until it is ready")
     p.add_argument("--in-process", action="store_true", help="run the router on the bench's own loop")
     p.add_argument("--profile", type=Path, help="py-spy the router process; raw stacks into DIR")
-    p.add_argument("--router-child", action="store_true", help=argparse.SUPPRESS)
-    for hidden in ("--model", "--logs", "--token"):
-        p.add_argument(hidden, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.router_child:
-        from router import evloop
-        return evloop.run(router_child(args), args.loop[0] if args.loop else "auto")
     if args.in_process and args.profile:
         p.error("--profile samples the router's own process: drop --in-process")
     return asyncio.run(main_async(args))
