@@ -153,6 +153,7 @@ async def phase_router(model: Path, args, logs: Path, loop: str) -> dict:
 
         records: list[dict | None] = []  # the router's own record of each failover
         faults_done: list[int] = []
+        faults: list[float] = []
 
         async def kill_primary() -> float:
             # as in the HAProxy phase, where the backup is never the one killed, a ready standby
@@ -168,6 +169,7 @@ async def phase_router(model: Path, args, logs: Path, loop: str) -> dict:
                 await asyncio.sleep(0.05)
             t = time.monotonic()
             os.killpg(prim[0]["pid"], signal.SIGKILL)  # EngineProc starts each engine in its own group
+            faults.append(t)
             return t
 
         load = Load(side.url, seed=args.seed)
@@ -176,7 +178,22 @@ async def phase_router(model: Path, args, logs: Path, loop: str) -> dict:
         result = await drive(load, args.kills, args.interval, args.concurrency, kill_primary, pid)
         await asyncio.sleep(0.5)
         records.append((await side.status(s, full=True))["last_failover"].get("default"))
-    return result | ov | models | {"records": [r for r in records if r]}
+    return result | ov | models | {"records": [r for r in records if r], "faults": faults}
+
+
+def breakdown(records: list[dict], faults: list[float]) -> str:
+    """The router's record of each failover against the fault (one clock: CLOCK_MONOTONIC, both
+    processes): kill -> detected, -> switched, -> the first event relayed from the new primary."""
+    parts: dict[str, list[float]] = {"kill->detected": [], "detected->switched": [], "switched->first_ok": []}
+    for rec in records:
+        m = rec["monotonic"]
+        before = [f for f in faults if f <= m["detected"]]
+        if not before:
+            continue
+        parts["kill->detected"].append((m["detected"] - before[-1]) * 1e3)
+        parts["detected->switched"].append((m["switched"] - m["detected"]) * 1e3)
+        parts["switched->first_ok"].append((m["first_ok"] - m["switched"]) * 1e3)
+    return "; ".join(f"{k} p50={percentile(v, 50):.1f} max={max(v, default=float('nan')):.1f} ms" for k, v in parts.items())
 
 
 async def phase_haproxy(model: Path, args, logs: Path) -> dict:
@@ -257,6 +274,7 @@ def print_report(ours: dict[str, dict], theirs: dict) -> None:
         print(f"router's own record ({loop}) over {len(recs)} failovers: "
               + "; ".join(f"{k} p50={percentile([x[k] for x in recs], 50)} max={max((x[k] for x in recs), default=None)}"
                           for k in ("detect_ms", "switch_ms", "blackout_ms")))
+        print(f"router's record vs the kill ({loop}): {breakdown(recs, r['faults'])}")
         print(f"failed_by_cause router ({loop}):", json.dumps(r["failed_by_cause"]), " longest stall:", json.dumps(r["stall"]))
     print(client_line("haproxy", theirs["client"]))
     print("failed_by_cause haproxy:", json.dumps(theirs["failed_by_cause"]), " longest stall:", json.dumps(theirs["stall"]))
