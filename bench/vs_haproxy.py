@@ -181,6 +181,33 @@ async def phase_router(model: Path, args, logs: Path, loop: str) -> dict:
     return result | ov | models | {"records": [r for r in records if r], "faults": faults}
 
 
+async def cpu_phase(model: Path, args, logs: Path, loop: str) -> dict:
+    """No faults: the router process's CPU per request for streams and for whole answers, and per
+    SSE event (the streams' extra over whole answers, over the events a stream carries)."""
+    out = {}
+    async with RouterSide(model, logs, loop, args) as side, aiohttp.ClientSession() as s:
+        for kind, ratio in (("stream", 1.0), ("whole", 0.0)):
+            load = Load(side.url, seed=args.seed, stream_ratio=ratio)
+            await load.learn_expected(s)
+            stop = asyncio.Event()
+            c0 = cpu_s(side.pid)
+            runner = asyncio.create_task(load.run(args.concurrency, stop))
+            await asyncio.sleep(args.cpu)
+            stop.set()
+            await runner
+            n = len(load.outcomes)
+            out[f"{kind}_cpu_ms_per_req"] = round((cpu_s(side.pid) - c0) * 1e3 / n, 3)
+            if ratio:
+                out["events_per_stream"] = round(sum(len(o.tokens) + 2 for o in load.outcomes) / n, 1)
+        c0 = cpu_s(side.pid)
+        rps = await closed_loop(side.url + "/v1/models", 16, args.models_s)
+        out["models_cpu_ms_per_req"] = round((cpu_s(side.pid) - c0) * 1e3 / (rps * args.models_s), 3)
+        out["models_rps"] = round(rps)
+    extra = out["stream_cpu_ms_per_req"] - out["whole_cpu_ms_per_req"]
+    out["cpu_us_per_sse_event"] = round(extra * 1e3 / out["events_per_stream"], 1)
+    return out
+
+
 def breakdown(records: list[dict], faults: list[float]) -> str:
     """The router's record of each failover against the fault (one clock: CLOCK_MONOTONIC, both
     processes): kill -> detected, -> switched, -> the first event relayed from the new primary."""
@@ -294,6 +321,12 @@ async def main_async(args) -> int:
     with tempfile.TemporaryDirectory(prefix="vs-haproxy-") as tmp:
         tmp = Path(tmp)
         model = write_checkpoint(tmp / "model", TinySpec(layers=2, hidden=64))
+        if args.cpu:
+            print(f"# router CPU, no faults, {args.cpu:.0f} s per kind, concurrency {args.concurrency}, "
+                  f"load average {os.getloadavg()[0]:.2f}")
+            for loop in loops:
+                print(evloop.name(loop), json.dumps(await cpu_phase(model, args, tmp, loop)))
+            return 0
         version = subprocess.run(["haproxy", "-v"], capture_output=True, text=True).stdout.split("\n")[0]
         where = "in the bench's process" if args.in_process else "own process"
         print(f"# vs_haproxy  {date.today()}  {platform.node()}  {platform.processor() or platform.machine()}"
@@ -319,6 +352,8 @@ def main() -> int:
     p.add_argument("--models-s", type=float, default=3.0, help="seconds of /v1/models at 16 clients, each way")
     p.add_argument("--loop", action="append", choices=("auto", "uvloop", "asyncio"),
                    help="the router's event loop; repeat for one router phase each (default: auto)")
+    p.add_argument("--cpu", type=float, default=0.0, metavar="S",
+                   help="only the router's CPU per request and per SSE event, S seconds per kind, no faults")
     p.add_argument("--nice-replacement", type=int, default=0, metavar="N",
                    help="start each replacement engine (both phases) at nice N until it is ready")
     p.add_argument("--in-process", action="store_true", help="run the router on the bench's own loop")
