@@ -15,9 +15,6 @@ import pytest
 from conftest import Procs, free_port
 from router_helpers import running_router, start_engines, tolerant
 
-pytestmark = pytest.mark.asyncio
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     procs = Procs()
@@ -90,6 +87,7 @@ def sse_bodies(raw: bytes) -> list[bytes]:
     return out
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("chat", [False, True])
 async def test_a_streams_bytes_reach_the_client_exactly_as_the_engine_sent_them(engine, chat):
     async with tap(engine.port) as (url, recorded):
@@ -110,3 +108,20 @@ async def test_a_streams_bytes_reach_the_client_exactly_as_the_engine_sent_them(
     assert len(sent) == 1, f"expected one stream through the tap, saw {len(sent)}"
     assert got.count(b"\n\n") > 5 and got.endswith(b"data: [DONE]\n\n")  # a real stream, many events
     assert got == sent[0]
+
+
+def test_the_event_loop_is_uvloop_when_installed_and_asyncio_on_request():
+    import asyncio as aio
+    import importlib.util
+
+    from router import evloop
+
+    async def which() -> str:
+        return type(aio.get_running_loop()).__module__
+
+    assert evloop.run(which(), "asyncio").startswith("asyncio")
+    has_uvloop = importlib.util.find_spec("uvloop") is not None
+    assert evloop.run(which(), "auto").startswith("uvloop" if has_uvloop else "asyncio")
+    assert evloop.name("auto") == ("uvloop" if has_uvloop else "asyncio")
+    with pytest.raises(ValueError, match="event loop must be one of"):
+        evloop.factory("trio")
