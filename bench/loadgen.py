@@ -17,7 +17,7 @@ import aiohttp
 
 from client_figures import fault_figures, percentile, requests_summary, summarize
 
-__all__ = ["PROMPTS", "Load", "Outcome", "percentile", "summary"]
+__all__ = ["PROMPTS", "Load", "Outcome", "closed_loop", "percentile", "summary"]
 
 PROMPTS = [
     "The quick brown fox", "A hot standby takes over", "Weights stay resident", "Hello, world!",
@@ -144,3 +144,18 @@ def summary(outcomes: list[Outcome], faults: list[float], elapsed: float) -> dic
         "blackout_p50_ms": figures["first_token_ms"]["p50"], "blackout_p99_ms": figures["first_token_ms"]["p99"],
         "client": figures, "mean_latency_ms": round(statistics.fmean(lat) * 1e3, 1) if lat else None,
     }
+
+
+async def closed_loop(url: str, concurrency: int, seconds: float) -> float:
+    """GET ``url`` from ``concurrency`` clients back to back for ``seconds``: answers per second."""
+    done = 0
+    deadline = time.monotonic() + seconds
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def worker() -> None:
+            nonlocal done
+            while time.monotonic() < deadline:
+                async with s.get(url) as r:
+                    await r.read()
+                done += 1
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done / seconds

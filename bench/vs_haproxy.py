@@ -1,6 +1,11 @@
 """Our router and HAProxy side by side: same engines, same load, same kill -9 schedule.
 
-    python3 bench/vs_haproxy.py [--kills 10] [--interval 8] [--concurrency 4]
+    python3 bench/vs_haproxy.py [--kills 10] [--interval 8] [--concurrency 4] [--loop uvloop --loop asyncio]
+    python3 bench/vs_haproxy.py --profile DIR     # py-spy (pip install py-spy) on the router process
+
+The router runs in a process of its own (as HAProxy does, and as in production), with the engines
+it launches; `--in-process` puts it on the bench's own event loop instead, as before issue 20, where
+the load generator's work and the router's serialise on one core. One router phase per `--loop`.
 
 HAProxy comes from the distribution (`apt-get install haproxy`); this script installs nothing. It is
 configured as aggressively as it allows: primary as a normal server, standby as `backup`,
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import shutil
 import signal
@@ -32,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines import EngineProc, free_port  # noqa: E402
 from client_figures import line as client_line  # noqa: E402
-from loadgen import Load, percentile, summary  # noqa: E402
+from loadgen import Load, closed_loop, percentile, summary  # noqa: E402
+from router_side import RouterSide, replacement  # noqa: E402
 
 HAPROXY_CFG = """
 global
@@ -71,69 +78,149 @@ async def overhead(direct: str, proxied: str, n: int) -> dict:
     return {"added_p50_ms": round((p50 - d50) * 1e3, 2), "added_p99_ms": round((p99 - d99) * 1e3, 2)}
 
 
-async def drive(load: Load, kills: int, interval: float, concurrency: int, kill_primary) -> dict:
+async def resume_prefill(direct: str, n: int, resumed: int = 15) -> float:
+    """What re-prefilling a migrated stream costs the new primary, direct to one engine: the next
+    token of a stream resumed after ``resumed`` tokens (prompt + those re-prefilled) minus a fresh
+    request's first token (prompt only), p50 ms. This bounds what pre-prefilling on the standby
+    could save a migrated stream."""
+    lat: dict[bool, list[float]] = {False: [], True: []}
+    async with aiohttp.ClientSession() as s:
+        async with s.get(direct + "/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        base = {"model": model, "prompt": "The primary engine fails", "temperature": 0.0}
+        async with s.post(direct + "/v1/completions", json=base | {"max_tokens": resumed, "ignore_eos": True}) as r:
+            ids = (await r.json())["choices"][0]["token_ids"][:resumed]
+        for i in range(2 * n):
+            res = i % 2 == 1
+            body = base | ({"max_tokens": len(ids) + 1, "resume_token_ids": ids} if res else {"max_tokens": 1})
+            t = time.perf_counter()
+            async with s.post(direct + "/v1/completions", json=body) as r:
+                await r.read()
+            lat[res].append(time.perf_counter() - t)
+    return round((percentile(lat[True], 50) - percentile(lat[False], 50)) * 1e3, 2)
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (its own, not its children's)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def where_stalled(outcomes, faults: list[float]) -> dict:
+    """The run's longest gap inside one stream: how long, how long after the last fault it began,
+    and whether its stream was in flight at that fault (a migrated or retried one) or began later."""
+    best = (0.0, None, None)
+    for o in outcomes:
+        if not o.stream:
+            continue
+        ev = [o.start, *sorted(o.tokens), o.end]
+        for a, b in zip(ev, ev[1:]):
+            if b - a > best[0]:
+                best = (b - a, a, o)
+    gap, at, o = best
+    before = [f for f in faults if f <= at] if at is not None else []
+    if not before:
+        return {"longest_stall_ms": round(gap * 1e3, 1), "after_fault_ms": None, "in_flight_at_fault": False}
+    f = before[-1]
+    return {"longest_stall_ms": round(gap * 1e3, 1), "after_fault_ms": round((at - f) * 1e3, 1),
+            "in_flight_at_fault": o.start <= f < o.end}
+
+
+async def drive(load: Load, kills: int, interval: float, concurrency: int, kill_primary, pid: int | None) -> dict:
     stop = asyncio.Event()
     runner = asyncio.create_task(load.run(concurrency, stop))
     faults, t0 = [], time.monotonic()
+    cpu0 = cpu_s(pid) if pid else None
     await asyncio.sleep(interval / 2)
     for _ in range(kills):
         faults.append(await kill_primary())
         await asyncio.sleep(interval)
     stop.set()
     await runner
-    return summary(load.outcomes, faults, time.monotonic() - t0)
+    out = summary(load.outcomes, faults, time.monotonic() - t0)
+    if cpu0 is not None:  # the proxy's own CPU per request of the load (probes and failovers included)
+        out["proxy_cpu_ms_per_req"] = round((cpu_s(pid) - cpu0) * 1e3 / max(1, len(load.outcomes)), 3)
+    return out | {"stall": where_stalled(load.outcomes, faults)}
 
 
-async def phase_router(model: Path, args, logs: Path) -> dict:
-    from router.app import Router
-    from router.config import RouterConfig
+async def phase_router(model: Path, args, logs: Path, loop: str) -> dict:
+    async with RouterSide(model, logs, loop, args) as side, aiohttp.ClientSession() as s:
+        primary = next(i for i in (await side.status(s))["instances"] if i["role"] == "primary")
+        ov = await overhead(primary["url"], side.url, args.overhead_n)
+        ov["resume_prefill_ms"] = await resume_prefill(primary["url"], max(10, args.overhead_n // 4))
+        models = {"models_direct_rps": round(await closed_loop(primary["url"] + "/v1/models", 16, args.models_s)),
+                  "models_rps": round(await closed_loop(side.url + "/v1/models", 16, args.models_s))}
 
-    engines: dict[str, EngineProc] = {}
-
-    class BenchLauncher:
-        async def request_standby(self, service: str) -> None:
-            e = EngineProc(model, log_dir=logs)
-            name = f"e{e.port}"
-            engines[name] = e
-            await e.wait_ready()
-            router.add_instance(service, name, e.url, "standby", e.pid)
-
-        async def fence(self, name: str) -> None:
-            engines[name].kill()
-
-        async def preempt(self, service: str) -> None: ...
-        async def resume(self, service: str) -> None: ...
-
-    router = Router(RouterConfig(port=free_port()), BenchLauncher())
-    first = [EngineProc(model, log_dir=logs) for _ in range(2)]
-    await asyncio.gather(*(e.wait_ready() for e in first))
-    for e, role in zip(first, ("primary", "standby")):
-        engines[f"e{e.port}"] = e
-        router.add_instance("default", f"e{e.port}", e.url, role, e.pid)
-    await router.start()
-    try:
-        ov = await overhead(first[0].url, router.url, args.overhead_n)
+        records: list[dict | None] = []  # the router's own record of each failover
+        faults_done: list[int] = []
+        faults: list[float] = []
 
         async def kill_primary() -> float:
-            svc = router.services["default"]
             # as in the HAProxy phase, where the backup is never the one killed, a ready standby
             # must be there: the previous kill's replacement may still be starting
-            while svc.routable() is None or not any(i.ready for i in svc.standbys()):
+            if records or faults_done:
+                records.append((await side.status(s, full=True))["last_failover"].get("default"))
+            faults_done.append(1)
+            while True:
+                st = await side.status(s)
+                prim = [i for i in st["instances"] if i["role"] == "primary" and i["ready"]]
+                if prim and any(i["role"] == "standby" and i["ready"] for i in st["instances"]):
+                    break
                 await asyncio.sleep(0.05)
-            name = svc.routable().name
             t = time.monotonic()
-            engines[name].signal(signal.SIGKILL)
+            os.killpg(prim[0]["pid"], signal.SIGKILL)  # EngineProc starts each engine in its own group
+            faults.append(t)
             return t
 
-        load = Load(router.url, seed=args.seed)
-        async with aiohttp.ClientSession() as s:
+        load = Load(side.url, seed=args.seed)
+        await load.learn_expected(s)
+        pid = side.pid if not args.in_process else os.getpid()
+        result = await drive(load, args.kills, args.interval, args.concurrency, kill_primary, pid)
+        await asyncio.sleep(0.5)
+        records.append((await side.status(s, full=True))["last_failover"].get("default"))
+    return result | ov | models | {"records": [r for r in records if r], "faults": faults}
+
+
+async def cpu_phase(model: Path, args, logs: Path, loop: str) -> dict:
+    """No faults: the router process's CPU per request for streams and for whole answers, and per
+    SSE event (the streams' extra over whole answers, over the events a stream carries)."""
+    out = {}
+    async with RouterSide(model, logs, loop, args) as side, aiohttp.ClientSession() as s:
+        for kind, ratio in (("stream", 1.0), ("whole", 0.0)):
+            load = Load(side.url, seed=args.seed, stream_ratio=ratio)
             await load.learn_expected(s)
-        result = await drive(load, args.kills, args.interval, args.concurrency, kill_primary)
-    finally:
-        await router.stop()
-        for e in engines.values():
-            e.kill()
-    return result | ov
+            stop = asyncio.Event()
+            c0 = cpu_s(side.pid)
+            runner = asyncio.create_task(load.run(args.concurrency, stop))
+            await asyncio.sleep(args.cpu)
+            stop.set()
+            await runner
+            n = len(load.outcomes)
+            out[f"{kind}_cpu_ms_per_req"] = round((cpu_s(side.pid) - c0) * 1e3 / n, 3)
+            if ratio:
+                out["events_per_stream"] = round(sum(len(o.tokens) + 2 for o in load.outcomes) / n, 1)
+        c0 = cpu_s(side.pid)
+        rps = await closed_loop(side.url + "/v1/models", 16, args.models_s)
+        out["models_cpu_ms_per_req"] = round((cpu_s(side.pid) - c0) * 1e3 / (rps * args.models_s), 3)
+        out["models_rps"] = round(rps)
+    extra = out["stream_cpu_ms_per_req"] - out["whole_cpu_ms_per_req"]
+    out["cpu_us_per_sse_event"] = round(extra * 1e3 / out["events_per_stream"], 1)
+    return out
+
+
+def breakdown(records: list[dict], faults: list[float]) -> str:
+    """The router's record of each failover against the fault (one clock: CLOCK_MONOTONIC, both
+    processes): kill -> detected, -> switched, -> the first event relayed from the new primary."""
+    parts: dict[str, list[float]] = {"kill->detected": [], "detected->switched": [], "switched->first_ok": []}
+    for rec in records:
+        m = rec["monotonic"]
+        before = [f for f in faults if f <= m["detected"]]
+        if not before:
+            continue
+        parts["kill->detected"].append((m["detected"] - before[-1]) * 1e3)
+        parts["detected->switched"].append((m["switched"] - m["detected"]) * 1e3)
+        parts["switched->first_ok"].append((m["first_ok"] - m["switched"]) * 1e3)
+    return "; ".join(f"{k} p50={percentile(v, 50):.1f} max={max(v, default=float('nan')):.1f} ms" for k, v in parts.items())
 
 
 async def phase_haproxy(model: Path, args, logs: Path) -> dict:
@@ -147,55 +234,110 @@ async def phase_haproxy(model: Path, args, logs: Path) -> dict:
     try:
         await asyncio.sleep(1.0)
         ov = await overhead(servers["primary"].url, url, args.overhead_n)
+        models = {"models_direct_rps": round(await closed_loop(servers["primary"].url + "/v1/models", 16, args.models_s)),
+                  "models_rps": round(await closed_loop(url + "/v1/models", 16, args.models_s))}
+
+        starting: set[asyncio.Task] = set()
 
         async def kill_primary() -> float:
             t = time.monotonic()
             servers["primary"].kill()
-            servers["primary"] = EngineProc(model, p1, log_dir=logs)  # back on the port HAProxy knows
+            servers["primary"] = e = EngineProc(model, p1, log_dir=logs)  # back on the port HAProxy knows
+            task = asyncio.create_task(replacement(e, args.nice_replacement))
+            starting.add(task)
+            task.add_done_callback(starting.discard)
             return t
 
         load = Load(url, seed=args.seed)
         async with aiohttp.ClientSession() as s:
             await load.learn_expected(s)
-        result = await drive(load, args.kills, args.interval, args.concurrency, kill_primary)
+        result = await drive(load, args.kills, args.interval, args.concurrency, kill_primary, hap.pid)
     finally:
         hap.send_signal(signal.SIGTERM)
         hap.wait(10)
         for e in servers.values():
             e.kill()
-    return result | ov
+    return result | ov | models
 
 
-def print_report(ours: dict, theirs: dict) -> None:
+# (metric, target for router / haproxy, or for the router's own figure with "abs")
+TARGETS = {"rps": (">=", 0.95), "latency_p50_ms": ("<=", 1.10), "latency_p99_ms": ("<=", 1.10),
+           "added_p50_ms": ("abs<=", 0.15), "longest_stream_stall_ms": ("<=", 1.0),
+           "failed": ("abs<=", 0), "broken_streams": ("abs<=", 0)}
+
+
+def _verdict(key: str, a, b) -> str:
+    if key not in TARGETS or not isinstance(a, (int, float)):
+        return ""
+    op, target = TARGETS[key]
+    if op == "abs<=":
+        return "ok" if a <= target else f"MISS (<= {target})"
+    if not isinstance(b, (int, float)) or b <= 0:
+        return ""
+    r = a / b
+    good = r >= target if op == ">=" else r <= target
+    return "ok" if good else f"MISS ({op} {target})"
+
+
+def print_report(ours: dict[str, dict], theirs: dict) -> None:
     keys = ["requests", "failed", "broken_streams", "blackout_p50_ms", "blackout_p99_ms", "longest_stream_stall_ms",
-            "latency_p50_ms", "latency_p99_ms", "added_p50_ms", "added_p99_ms", "rps"]
-    print(f"{'metric':<26}{'failover router':>18}{'haproxy':>12}{'ratio':>10}")
+            "latency_p50_ms", "latency_p99_ms", "added_p50_ms", "added_p99_ms", "rps", "models_rps",
+            "models_direct_rps", "proxy_cpu_ms_per_req", "resume_prefill_ms"]
+    names = [f"router/{loop}" for loop in ours]
+    print(f"{'metric':<26}" + "".join(f"{n:>16}" for n in names) + f"{'haproxy':>10}"
+          + "".join(f"{'ratio ' + n.split('/')[1]:>16}{'target':>18}" for n in names))
     for k in keys:
-        a, b = ours.get(k), theirs.get(k)
-        ratio = f"{b / a:.1f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a > 0 else "-"
-        print(f"{k:<26}{a!s:>18}{b!s:>12}{ratio:>10}")
-    print(client_line("failover router", ours["client"]))
+        b = theirs.get(k)
+        row = f"{k:<26}" + "".join(f"{r.get(k)!s:>16}" for r in ours.values()) + f"{b!s:>10}"
+        for r in ours.values():
+            a = r.get(k)
+            ratio = f"{a / b:.2f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else "-"
+            row += f"{ratio:>16}{_verdict(k, a, b):>18}"
+        print(row)
+    print("ratio = router / haproxy; models_rps at 16 clients (router's models_direct_rps: its primary, direct)")
+    for loop, r in ours.items():
+        print(client_line(f"failover router ({loop})", r["client"]))
+        recs = list({rec["at"]: rec for rec in r["records"]}.values())
+        print(f"router's own record ({loop}) over {len(recs)} failovers: "
+              + "; ".join(f"{k} p50={percentile([x[k] for x in recs], 50)} max={max((x[k] for x in recs), default=None)}"
+                          for k in ("detect_ms", "switch_ms", "blackout_ms")))
+        print(f"router's record vs the kill ({loop}): {breakdown(recs, r['faults'])}")
+        print(f"failed_by_cause router ({loop}):", json.dumps(r["failed_by_cause"]), " longest stall:", json.dumps(r["stall"]))
     print(client_line("haproxy", theirs["client"]))
-    print("failed_by_cause  router:", json.dumps(ours["failed_by_cause"]), " haproxy:", json.dumps(theirs["failed_by_cause"]))
+    print("failed_by_cause haproxy:", json.dumps(theirs["failed_by_cause"]), " longest stall:", json.dumps(theirs["stall"]))
 
 
 async def main_async(args) -> int:
     from failover_common.logs import configure_logging
     from failover.tools.tiny_model import TinySpec, write_checkpoint
+    from router import evloop
 
     configure_logging("warning", process="vs-haproxy")
 
     if shutil.which("haproxy") is None:
         print("haproxy not found: install it from your distribution (e.g. apt-get install haproxy)", file=sys.stderr)
         return 2
+    loops = args.loop or ["auto"]
     with tempfile.TemporaryDirectory(prefix="vs-haproxy-") as tmp:
         tmp = Path(tmp)
         model = write_checkpoint(tmp / "model", TinySpec(layers=2, hidden=64))
+        if args.cpu:
+            print(f"# router CPU, no faults, {args.cpu:.0f} s per kind, concurrency {args.concurrency}, "
+                  f"load average {os.getloadavg()[0]:.2f}")
+            for loop in loops:
+                print(evloop.name(loop), json.dumps(await cpu_phase(model, args, tmp, loop)))
+            return 0
         version = subprocess.run(["haproxy", "-v"], capture_output=True, text=True).stdout.split("\n")[0]
+        where = "in the bench's process" if args.in_process else "own process"
         print(f"# vs_haproxy  {date.today()}  {platform.node()}  {platform.processor() or platform.machine()}"
-              f"  kills={args.kills} interval={args.interval}s concurrency={args.concurrency}  {version}")
-        ours = await phase_router(model, args, tmp)
+              f"  kills={args.kills} interval={args.interval}s concurrency={args.concurrency}  {version}"
+              f"  router: {where}, loops {[evloop.name(k) for k in loops]}  nice-replacement={args.nice_replacement}"
+              f"  load average {os.getloadavg()[0]:.2f}")
+        ours = {}
+        for loop in loops:
+            ours[evloop.name(loop) if not args.in_process else "in-process"] = await phase_router(model, args, tmp, loop)
         theirs = await phase_haproxy(model, args, tmp)
+        print(f"# load average after: {os.getloadavg()[0]:.2f}")
         print_report(ours, theirs)
     return 0
 
@@ -207,7 +349,19 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--overhead-n", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
-    return asyncio.run(main_async(p.parse_args()))
+    p.add_argument("--models-s", type=float, default=3.0, help="seconds of /v1/models at 16 clients, each way")
+    p.add_argument("--loop", action="append", choices=("auto", "uvloop", "asyncio"),
+                   help="the router's event loop; repeat for one router phase each (default: auto)")
+    p.add_argument("--cpu", type=float, default=0.0, metavar="S",
+                   help="only the router's CPU per request and per SSE event, S seconds per kind, no faults")
+    p.add_argument("--nice-replacement", type=int, default=0, metavar="N",
+                   help="start each replacement engine (both phases) at nice N until it is ready")
+    p.add_argument("--in-process", action="store_true", help="run the router on the bench's own loop")
+    p.add_argument("--profile", type=Path, help="py-spy the router process; raw stacks into DIR")
+    args = p.parse_args()
+    if args.in_process and args.profile:
+        p.error("--profile samples the router's own process: drop --in-process")
+    return asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

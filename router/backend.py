@@ -16,6 +16,7 @@ import aiohttp
 
 from router import states
 from router.errors import NoPrimary, Saturated
+from router.resume import BUNDLED, Resume
 
 
 class Attempt:
@@ -23,12 +24,35 @@ class Attempt:
     client it is not, so an abort never lands between "bytes handed to the client" and "those
     tokens recorded as sent"; it is then noticed when the attempt re-arms."""
 
-    __slots__ = ("guard", "armed", "aborted")
+    __slots__ = ("guard", "armed", "aborted", "stalled", "last", "_watch")
 
     def __init__(self) -> None:
         self.guard = asyncio.timeout(None)
         self.armed = True
         self.aborted = False
+        self.stalled = False  # the stall watchdog fired (the abort is a stall, not a fence)
+        self.last = 0.0  # monotonic time of the last upstream read (the relay writes it per read)
+        self._watch: asyncio.TimerHandle | None = None
+
+    def watch(self, stall_timeout: float) -> None:
+        """Abort (as ``stalled``) once no read came for ``stall_timeout``: one timer per attempt,
+        re-armed only when it fires, so the relay pays a float write per read, not a timer."""
+        self.last = time.monotonic()
+        self._watch = asyncio.get_running_loop().call_later(stall_timeout, self._check, stall_timeout)
+
+    def unwatch(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
+    def _check(self, stall_timeout: float) -> None:
+        idle = time.monotonic() - self.last
+        if idle < stall_timeout:
+            self._watch = asyncio.get_running_loop().call_later(stall_timeout - idle, self._check, stall_timeout)
+            return
+        self._watch = None
+        self.stalled = True
+        self.abort()
 
     def abort(self) -> None:
         self.aborted = True
@@ -215,6 +239,8 @@ class Service:
         self.waiting = 0
         self.closing = False
         self.lock = asyncio.Lock()  # serialises planned switchovers and drains
+        # How its engines' streams are resumed (router/resume.py); an engine kind's adapter replaces it.
+        self.resume: Resume = BUNDLED
         self._available = asyncio.Event()
 
     def routable(self) -> Instance | None:

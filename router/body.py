@@ -102,6 +102,12 @@ async def _read_raw(request: web.Request, config: RouterConfig, held: _Held) -> 
         raise BodyRejected(413, f"request body over {config.max_body_bytes} bytes", "request_too_large")
     if declared is not None and declared > held.budget.left:  # it cannot fit: say so before reading
         raise held.budget.full()
+    if request.content.is_eof():  # all of it came with the headers (the usual small body): no timer
+        data = request.content.read_nowait()
+        if len(data) > config.max_body_bytes:
+            raise BodyRejected(413, f"request body over {config.max_body_bytes} bytes", "request_too_large")
+        held.take(len(data))
+        return data
     buf = bytearray()
     try:
         async with asyncio.timeout(config.body_timeout):

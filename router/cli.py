@@ -18,6 +18,7 @@ from pathlib import Path
 import structlog
 
 from failover_common.logs import configure_logging
+from router import evloop
 from router.admin import TokenFileError
 from router.app import Router
 from router.config import RouterConfig
@@ -71,6 +72,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--replace-settle-timeout", type=float, default=d.replace_settle_timeout,
                    help="after a failover, wait at most this for the broken requests to resume before "
                         "asking for a replacement (seconds, default: %(default)s)")
+    p.add_argument("--loop", choices=evloop.KINDS, default="auto",
+                   help="event loop: uvloop when installed (auto), or force one (default: %(default)s)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -101,9 +104,14 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"failover router: {exc}", file=sys.stderr)
         return 2
+    try:
+        evloop.factory(args.loop)
+    except RuntimeError as exc:  # --loop uvloop without uvloop
+        print(f"failover router: {exc}", file=sys.stderr)
+        return 2
     configure_logging(args.log_level, process="router")
     try:
-        return asyncio.run(_serve(config, args))
+        return evloop.run(_serve(config, args), args.loop)
     except (TokenFileError, OSError) as exc:
         print(f"failover router: {exc}", file=sys.stderr)
         return 1
@@ -120,7 +128,7 @@ async def _serve(config: RouterConfig, args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await router.start()
-    print(f"failover router listening on {router.url}", file=sys.stderr, flush=True)
+    print(f"failover router listening on {router.url} ({evloop.name(args.loop)})", file=sys.stderr, flush=True)
     await stop.wait()
     log.info("router_stopping")
     await router.stop()

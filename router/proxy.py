@@ -38,6 +38,7 @@ REQUEST_DROP = HOP_BY_HOP | {"content-encoding"}
 RESPONSE_DROP = HOP_BY_HOP | {"server", "date", "content-encoding"}
 # The engine says "not now" (starting, draining, overloaded): try the next primary.
 RETRY_STATUS = frozenset({502, 503, 504})
+DRAIN_TIMEOUT = 0.5  # after [DONE]: how long the end of the upstream response may take to arrive
 
 
 def error_body(message: str, type_: str, code: int) -> dict:
@@ -52,6 +53,8 @@ class Proxy:
         self.promoter = promoter
         self.metrics = metrics
         self.bodies = BodyBudget(config.max_buffered_bytes)
+        self._counters: dict[tuple[str, int], object] = {}  # metric children, per request: no labels()
+        self._latency: dict[str, object] = {}
 
     def pick(self, model: object) -> Service | None:
         """The service named by the request's ``model``, else the first service."""
@@ -93,7 +96,8 @@ class Proxy:
         service = self.pick(payload.get("model") if payload else None)
         if service is None:
             return self._error(None, 503, "no service is configured", "service_unavailable")
-        relay = StreamRelay(payload, request) if payload and payload.get("stream") is True else None
+        relay = (StreamRelay(payload, request, service.resume)
+                 if payload and payload.get("stream") is True else None)
         try:
             return await self._serve(request, target, service, body, relay, t0)
         except ClientGone:
@@ -118,6 +122,8 @@ class Proxy:
     async def _attempts(self, request: web.Request, target: str, service: Service, body: bytes | bytearray,
                         relay: StreamRelay | None, t0: float, recovery: Recovery) -> web.StreamResponse:
         headers = _forward_headers(request.headers)
+        if relay is not None:  # what the engine kind needs added to stream (ours: nothing, same bytes)
+            body = relay.resume.first_body(relay.payload, body)
         retries = migrations = 0
         while True:
             deadline = time.monotonic() + self.config.queue_deadline
@@ -186,6 +192,9 @@ class Proxy:
         except (BackendFailed, ClientGone):
             raise
         except TimeoutError as exc:  # before OSError, of which it is a subclass
+            if attempt.stalled:
+                raise BackendFailed(inst.name, "stall",
+                                    f"no stream chunk within {self.config.stall_timeout}s") from exc
             if attempt.guard.expired():
                 raise BackendFailed(inst.name, "fenced", "aborted: the instance was fenced") from exc
             # A connect that times out met a full listen backlog (or a slow network): saturated,
@@ -213,32 +222,22 @@ class Proxy:
 
     async def _relay(self, service: Service, inst: Instance, up: aiohttp.ClientResponse,
                      relay: StreamRelay, attempt: Attempt, t0: float, recovery: Recovery) -> web.StreamResponse:
-        buf = b""
-        while True:
-            try:
-                async with asyncio.timeout(self.config.stall_timeout):
-                    chunk = await up.content.readany()
-            except TimeoutError as exc:
-                raise BackendFailed(inst.name, "stall",
-                                    f"no stream chunk within {self.config.stall_timeout}s") from exc
-            if not chunk:
-                break
-            buf += chunk
-            if b"\r" in chunk:
-                buf = buf.replace(b"\r\n", b"\n")
-            while (end := buf.find(b"\n\n")) >= 0:
-                event, buf = buf[:end], buf[end + 2:]
-                attempt.disarm()  # the client write: an abort now is seen at rearm(), after it
-                if await relay.forward(event, inst.name):  # [DONE]: finish still disarmed
-                    await relay.finish()
-                    self.promoter.note_ok(inst)
-                    self._count(service, 200, relay.first_byte_at, t0)
-                    return relay.response
-                if not attempt.rearm():
-                    raise BackendFailed(inst.name, "fenced", "aborted: the instance was fenced")
-                recovery.end()
-                self.promoter.note_ok(inst)
-        raise BackendFailed(inst.name, "reset", "stream ended before [DONE]")
+        def first_ok() -> None:  # once per attempt: the failover's record and its settlement
+            recovery.end()
+            self.promoter.note_ok(inst)
+
+        def mark_ok(now: float) -> None:  # per write: a timestamp, nothing else
+            inst.last_ok = now
+
+        attempt.watch(self.config.stall_timeout)
+        try:
+            await relay.pump(up.content, inst.name, attempt, mark_ok, first_ok)
+        finally:
+            attempt.unwatch()
+        await relay.finish()  # [DONE] came: still disarmed, so a fence cannot cut the close
+        self._count(service, 200, relay.first_byte_at, t0)
+        await _drain(up)
+        return relay.response
 
     async def _no_primary(self, service: Service, relay: StreamRelay | None, exc: NoPrimary) -> web.StreamResponse:
         log.warning("no_primary", service=service.name, why=exc.why)
@@ -260,14 +259,24 @@ class Proxy:
         return resp
 
     def _error(self, service: Service | None, status: int, message: str, type_: str) -> web.Response:
-        label = service.name if service is not None else "-"
-        self.metrics.requests.labels(label, str(status)).inc()
+        self._counter(service.name if service is not None else "-", status).inc()
         return web.json_response(error_body(message, type_, status), status=status)
 
     def _count(self, service: Service, status: int, first_byte_at: float | None, t0: float) -> None:
-        self.metrics.requests.labels(service.name, str(status)).inc()
+        self._counter(service.name, status).inc()
         if first_byte_at is not None:
-            self.metrics.latency.labels(service.name).observe(first_byte_at - t0)
+            hist = self._latency.get(service.name)
+            if hist is None:
+                hist = self._latency[service.name] = self.metrics.latency.labels(service.name)
+            hist.observe(first_byte_at - t0)
+
+    def _counter(self, service: str, status: int):
+        """requests_total's child for (service, status), looked up once (labels() takes a lock and
+        builds a tuple on every call; this runs once per request)."""
+        child = self._counters.get((service, status))
+        if child is None:
+            child = self._counters[(service, status)] = self.metrics.requests.labels(service, str(status))
+        return child
 
 
 def _parse(body: bytes | bytearray) -> dict | None:
@@ -279,6 +288,20 @@ def _parse(body: bytes | bytearray) -> dict | None:
     except msgspec.DecodeError:
         return None
     return obj if isinstance(obj, dict) else None
+
+
+async def _drain(up: aiohttp.ClientResponse) -> None:
+    """Read the stream's end (its last chunk follows [DONE]) so that aiohttp returns the connection
+    to the instance's pool: released before its payload ended, it is closed, and the next request
+    pays a connect on both sides. The client already has its whole answer; nothing is waited long."""
+    if up.content.at_eof():
+        return
+    try:
+        async with asyncio.timeout(DRAIN_TIMEOUT):
+            while await up.content.readany():
+                pass
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        pass  # the connection is closed instead of pooled: nothing lost
 
 
 def _is_json_object(data: bytes) -> bool:

@@ -1,27 +1,41 @@
 """One client's SSE stream, relayed across however many upstream attempts it takes.
 
-The relay forwards whole SSE events only, and remembers the token ids of every event it forwarded
-(our engine puts ``token_ids`` on each choice). When the upstream breaks after the client got
-tokens, the request is re-issued with ``resume_token_ids`` = exactly those ids and the same
-``max_tokens``; the engine generates only the remainder, so the client sees no repeated and no
-missing token. Events of a resumed segment get the original ``id``/``created`` so the client sees
-one completion. An engine that does not send ``token_ids`` makes the stream non-migratable: it is
-retried only before its first byte.
+Hot path (issue 20): the client gets the upstream's bytes unchanged, one write per upstream read
+(all the whole events it holds), not one per event; each event's data is decoded by the service's
+``Resume`` adapter (router/resume.py) only as far as migration needs: token ids, text carried,
+``finish_reason``. Nothing else is done per read but a timestamp (stall watchdog, ``last_ok``);
+the promoter's and the failover settlement's bookkeeping run once per attempt, on its first write.
+
+Migration: the relay remembers the token ids of every event it forwarded. When the upstream breaks
+after the client got tokens, the adapter's ``resume_body`` re-issues the request continuing after
+exactly those ids; the engine generates only the remainder, so the client sees no repeated and no
+missing token. Events of a resumed segment are rewritten by ``continuation`` (the original
+``id``/``created``, the role-only opening chunk dropped). A kind whose events carry no ids makes the
+stream non-migratable: it is retried only before its first byte.
+
+Comments (keep-alives) are forwarded only between data events of one read, never on their own
+(no 200 is committed on a keep-alive, and one does not count as a good byte); upstream CRLF line
+ends are normalised to LF. Those are the only differences from the engine's own bytes in a first
+segment.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import msgspec
 from aiohttp import web
 
 from router.errors import BackendFailed
+from router.resume import BUNDLED, Resume, Seen, inspect_dict
 
-_decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
 MIGRATABLE_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+_inspect = inspect_dict  # the dict form, for callers that hold a decoded event
+__all__ = ["MIGRATABLE_PATHS", "ClientGone", "Seen", "StreamRelay"]
 
 
 class ClientGone(Exception):
@@ -29,16 +43,15 @@ class ClientGone(Exception):
 
 
 class StreamRelay:
-    def __init__(self, payload: dict, request: web.Request) -> None:
+    def __init__(self, payload: dict, request: web.Request, resume: Resume = BUNDLED) -> None:
         self.payload = payload
         self.request = request
+        self.resume = resume
         n = payload.get("n", 1)
         self.can_migrate = request.path in MIGRATABLE_PATHS and n in (1, None) and not payload.get("echo")
-        self.base_resume = list(payload.get("resume_token_ids") or [])
         self.tokens: list[int] = []  # ids already sent to the client, all segments
         self.segment = 0  # 0: the first upstream attempt; >0: a migrated continuation
-        self.first_id: str | None = None
-        self.created: int | None = None
+        self.first_id = self.created = None
         self.finished = False  # a finish_reason was forwarded
         self.done = False  # [DONE] forwarded
         self.response: web.StreamResponse | None = None
@@ -49,8 +62,8 @@ class StreamRelay:
         return self.response is not None
 
     def resume_body(self) -> bytes:
-        """The original request plus the tokens already streamed (same max_tokens: the budget)."""
-        return _encode({**self.payload, "resume_token_ids": self.base_resume + self.tokens})
+        """The original request continued after the tokens already streamed (same budget)."""
+        return self.resume.resume_body(self.payload, self.tokens)
 
     async def _start(self, instance: str) -> None:
         """Send the client our 200 and SSE headers: only once a valid first event is in hand."""
@@ -93,82 +106,85 @@ class StreamRelay:
     def next_segment(self) -> None:
         self.segment += 1
 
-    async def forward(self, event: bytes, instance: str) -> bool:
-        """Forward one upstream SSE event (without its blank-line terminator); True on [DONE]."""
-        data = _data_of(event)
-        if data is None:  # comment / keep-alive
-            return False
-        if data == b"[DONE]":
+    async def pump(self, content, instance: str, attempt, mark_ok: Callable[[float], None],
+                   first_ok: Callable[[], None]) -> None:
+        """Relay one upstream attempt until its [DONE] (returns, ``self.done``; the caller then calls
+        ``finish``) or its end (BackendFailed reset). ``attempt`` (backend.Attempt) is disarmed
+        around each client write and its stall watchdog fed per read; ``mark_ok(now)`` runs per
+        write (a timestamp), ``first_ok()`` once, after this attempt's first write."""
+        buf = b""
+        first = True
+        while True:
+            chunk = await content.readany()
+            if not chunk:
+                raise BackendFailed(instance, "reset", "stream ended before [DONE]")
+            attempt.last = now = time.monotonic()
+            buf = buf + chunk if buf else chunk
+            if b"\r" in chunk:
+                buf = buf.replace(b"\r\n", b"\n")
+            end = buf.rfind(b"\n\n")
+            if end < 0:
+                continue
+            events, buf = buf[:end + 2], buf[end + 2:]
+            out, seen = self._scan(events, instance)
+            if not out:
+                continue
             if not self.started:
-                raise BackendFailed(instance, "garbage", "[DONE] before any event")
-            self.done = True
-            await self.write(b"data: [DONE]\n\n")
-            return True
-        try:
-            obj = _decode(data)
-        except msgspec.DecodeError as exc:
-            raise BackendFailed(instance, "garbage", f"undecodable SSE data: {data[:80]!r}") from exc
-        if not isinstance(obj, dict):
-            raise BackendFailed(instance, "garbage", f"SSE data is not an object: {data[:80]!r}")
-        seen = _inspect(obj, instance)
-        if self.segment == 0:
-            if self.first_id is None:
-                self.first_id, self.created = obj.get("id"), obj.get("created")
-            out = b"data: " + data + b"\n\n"
-        else:
-            if not seen.carried and obj.get("usage") is None and "error" not in obj:
-                return False  # e.g. the resumed stream's role-only opening chunk
-            if self.first_id is not None:
-                obj["id"] = self.first_id
-            if self.created is not None:
-                obj["created"] = self.created
-            out = b"data: " + _encode(obj) + b"\n\n"
-        if not self.started:
-            await self._start(instance)
-        await self.write(out)
-        # Only now is it the client's: an abort during the write must not count these tokens as sent.
-        self.tokens.extend(seen.ids)
-        self.finished = self.finished or seen.finished
-        self.can_migrate = self.can_migrate and seen.migratable
-        return False
+                await self._start(instance)
+            attempt.disarm()  # the client write: an abort now is seen at rearm(), after it
+            await self.write(out)
+            # Only now is it the client's: an abort during the write must not count these tokens as sent.
+            for s in seen:
+                self.tokens += s.ids
+                self.finished = self.finished or s.finished
+                self.can_migrate = self.can_migrate and s.migratable
+            mark_ok(now)
+            if first:
+                first = False
+                first_ok()
+            if self.done:
+                return  # still disarmed: finish() must not be cut
+            if not attempt.rearm():
+                kind = "stall" if attempt.stalled else "fenced"
+                raise BackendFailed(instance, kind, f"aborted: {kind}")
 
-
-class _Seen:
-    __slots__ = ("ids", "carried", "finished", "migratable")
-
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.carried = self.finished = False
-        self.migratable = True
-
-
-def _inspect(obj: dict, instance: str) -> _Seen:
-    """What one chunk carries: token ids, text, a finish_reason; refuses what no engine sends."""
-    seen = _Seen()
-    choices = obj.get("choices")
-    if not isinstance(choices, list):
-        if "error" not in obj and obj.get("usage") is None:
-            raise BackendFailed(instance, "garbage", "SSE chunk without choices")
-        return seen
-    for ch in choices:
-        if not isinstance(ch, dict):
-            raise BackendFailed(instance, "garbage", "SSE choice is not an object")
-        if ch.get("index", 0) != 0:
-            seen.migratable = False  # n > 1: resuming one choice would not resume the others
-        ids = ch.get("token_ids")
-        text = ch.get("text")
-        if text is None and isinstance(ch.get("delta"), dict):
-            text = ch["delta"].get("content")
-        if ids:
-            seen.ids.extend(ids)
-            seen.carried = True
-        elif text:
-            if ids is None:
-                seen.migratable = False  # this engine does not tell us the ids
-            seen.carried = True
-        if ch.get("finish_reason"):
-            seen.finished = seen.carried = True
-    return seen
+    def _scan(self, events: bytes, instance: str) -> tuple[bytes, list[Seen]]:
+        """The bytes to send for ``events`` (whole events, each ending in a blank line) and what
+        each data event carried; sets ``done`` on [DONE] (anything after it is dropped)."""
+        seen: list[Seen] = []
+        pieces: list[bytes] = []  # segment > 0 only: rewritten events
+        first_seg = self.segment == 0
+        skip = 0  # first segment: leading comments before the stream started are not sent
+        pos, n = 0, len(events)
+        while pos < n:
+            end = events.index(b"\n\n", pos)
+            event, pos = events[pos:end], end + 2
+            data = _data_of(event)
+            if data is None:  # comment / keep-alive
+                if first_seg and not self.started and not seen:
+                    skip = pos
+                continue
+            if data == b"[DONE]":
+                if not self.started and not seen and not pieces:
+                    raise BackendFailed(instance, "garbage", "[DONE] before any event")
+                self.done = True
+                if first_seg:
+                    return events[skip:pos], seen
+                pieces.append(b"data: [DONE]\n\n")
+                return b"".join(pieces), seen
+            s = self.resume.inspect(data, instance)
+            if first_seg:
+                if self.first_id is None and not seen:
+                    self.first_id, self.created = self.resume.head(data)
+                seen.append(s)
+            else:
+                out = self.resume.continuation(data, self.first_id, self.created, instance)
+                if out is not None:
+                    pieces.append(b"data: " + out + b"\n\n")
+                    seen.append(s)
+        if first_seg:
+            return (events[skip:] if seen else b""), seen
+        return b"".join(pieces), seen
 
 
 def _data_of(event: bytes) -> bytes | None:

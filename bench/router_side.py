@@ -1,0 +1,175 @@
+"""bench/vs_haproxy.py's router side: two engines, the router and a launcher that replaces a fenced
+engine by a fresh standby (what the supervisor does), in a process of their own or the bench's.
+
+    python bench/router_side.py --model DIR --logs DIR --port P --token FILE [--loop uvloop]
+
+prints ``ready PID`` once serving, and stops (router, then engines) on SIGTERM or when its parent dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engines import EngineProc, free_port  # noqa: E402
+
+
+def renice(pid: int, nice: int) -> None:
+    """Every thread of ``pid`` at ``nice`` (Linux keeps a nice value per thread; new threads inherit
+    their creator's). A replacement engine started at nice 19 and set back to 0 once ready leaves
+    the cores to the new primary while it imports torch and warms up."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that ended, or no right to raise priority back: it stays as it is
+
+
+async def replacement(e: EngineProc, nice: int) -> None:
+    """Wait for a replacement engine to be ready, at ``nice`` meanwhile (0: as is)."""
+    if nice:
+        renice(e.pid, nice)
+    await e.wait_ready()
+    if nice:
+        renice(e.pid, 0)
+
+
+async def start_router(model: Path, logs: Path, port: int, token: Path, nice: int = 0):
+    """Two engines, a router in front of them and a launcher that replaces a fenced one by a fresh
+    standby (what the supervisor does). Returns (router, engines)."""
+    from router.app import Router
+    from router.config import RouterConfig
+
+    engines: dict[str, EngineProc] = {}
+
+    class BenchLauncher:
+        async def request_standby(self, service: str) -> None:
+            e = EngineProc(model, log_dir=logs)
+            name = f"e{e.port}"
+            engines[name] = e
+            await replacement(e, nice)
+            router.add_instance(service, name, e.url, "standby", e.pid)
+
+        async def fence(self, name: str) -> None:
+            engines[name].kill()
+
+        async def preempt(self, service: str) -> None: ...
+        async def resume(self, service: str) -> None: ...
+
+    router = Router(RouterConfig(port=port, admin_token_file=token), BenchLauncher())
+    first = [EngineProc(model, log_dir=logs) for _ in range(2)]
+    await asyncio.gather(*(e.wait_ready() for e in first))
+    for e, role in zip(first, ("primary", "standby")):
+        engines[f"e{e.port}"] = e
+        router.add_instance("default", f"e{e.port}", e.url, role, e.pid)
+    await router.start()
+    return router, engines
+
+
+async def stop_router(router, engines: dict) -> None:
+    await router.stop()
+    for e in engines.values():
+        e.kill()
+
+
+async def router_child(args) -> int:
+    """The router phase's router, in this process, until SIGTERM."""
+    from failover_common.logs import configure_logging
+    from failover_common.proc import die_with_parent
+
+    die_with_parent(signal.SIGTERM)
+    configure_logging("warning", process="vs-haproxy-router")
+    router, engines = await start_router(Path(args.model), Path(args.logs), args.port, Path(args.token),
+                                         args.nice_replacement)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    print(f"ready {os.getpid()}", flush=True)
+    await stop.wait()
+    await stop_router(router, engines)
+    return 0
+
+
+class RouterSide:
+    """The router under test, in a child process (default) or in this one; status from its admin API."""
+
+    def __init__(self, model: Path, logs: Path, loop: str, args) -> None:
+        self.model, self.logs, self.loop = model, logs, loop
+        self.in_process, self.profile, self.nice = args.in_process, args.profile, args.nice_replacement
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.token = logs / f"admin-token-{self.port}"
+        self.token.write_text(secrets.token_hex(16))
+        self.token.chmod(0o600)
+        self.proc: subprocess.Popen | None = None
+        self.pid: int | None = None
+        self.inproc = None
+
+    async def __aenter__(self) -> RouterSide:
+        if self.in_process:
+            self.inproc = await start_router(self.model, self.logs, self.port, self.token, self.nice)
+            return self
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--model", str(self.model),
+               "--logs", str(self.logs), "--port", str(self.port), "--token", str(self.token), "--loop", self.loop,
+               "--nice-replacement", str(self.nice)]
+        if self.profile is not None:
+            self.profile.mkdir(parents=True, exist_ok=True)
+            out = self.profile / f"router-{self.loop}.txt"
+            spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+            if spy is None:
+                raise RuntimeError("--profile needs py-spy: pip install py-spy")
+            cmd = [spy, "record", "-f", "raw", "-r", "250", "-o", str(out), "--", *cmd]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+        line = ""
+        while not line.startswith("ready "):  # py-spy says things on the same stdout first
+            line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), 180)
+            if not line:
+                raise RuntimeError(f"router child exited with {self.proc.wait()} before it was ready")
+        self.pid = int(line.split()[1])
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self.inproc is not None:
+            await stop_router(*self.inproc)
+            return
+        os.kill(self.pid, signal.SIGTERM)
+        await asyncio.to_thread(self.proc.communicate, None, 60)
+
+    async def status(self, s: aiohttp.ClientSession, full: bool = False) -> dict:
+        """The service's status, or with ``full`` the whole answer (``last_failover`` too)."""
+        if self.inproc is not None:
+            st = self.inproc[0].status()
+        else:
+            async with s.get(self.url + "/admin/status",
+                             headers={"Authorization": f"Bearer {self.token.read_text()}"}) as r:
+                r.raise_for_status()
+                st = await r.json()
+        return st if full else st["services"][0]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--logs", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--token", required=True)
+    p.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"))
+    p.add_argument("--nice-replacement", type=int, default=0)
+    from router import evloop
+    args = p.parse_args()
+    return evloop.run(router_child(args), args.loop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
