@@ -117,6 +117,7 @@ class Instance:
         self.fenced = False  # never serves again under this registration
         self.generation = 0  # bumped on re-registration: late results of the old one are dropped
         self.probe_latency: float | None = None
+        self.probe_path = "/ready"  # its engine kind's liveness path (set by Router.add_instance)
         self.last_ok: float | None = None  # monotonic time of the last good response or chunk
         self.inflight = 0
         self.attempts: set[Attempt] = set()  # upstream requests in flight
@@ -216,6 +217,11 @@ class Service:
         self.closing = False
         self.lock = asyncio.Lock()  # serialises planned switchovers and drains
         self._available = asyncio.Event()
+        self.adapter = None  # its engine kind's migration (router/adapters); None: our engine's
+
+    @property
+    def engine(self) -> str:
+        return "failover" if self.adapter is None else self.adapter.name
 
     def routable(self) -> Instance | None:
         p = self.primary

@@ -29,11 +29,17 @@ class ClientGone(Exception):
 
 
 class StreamRelay:
-    def __init__(self, payload: dict, request: web.Request) -> None:
+    def __init__(self, payload: dict, request: web.Request, adapter=None) -> None:
         self.payload = payload
         self.request = request
+        # an engine kind's per-stream migration (router/adapters); None: our engine's resume_token_ids
+        self.adapter = adapter.stream(payload, request.path) if adapter is not None else None
         n = payload.get("n", 1)
         self.can_migrate = request.path in MIGRATABLE_PATHS and n in (1, None) and not payload.get("echo")
+        if self.adapter is not None and not self.adapter.resumable:
+            self.can_migrate, self.why_not = False, self.adapter.why_not
+        else:
+            self.why_not = "no token_ids"
         self.base_resume = list(payload.get("resume_token_ids") or [])
         self.tokens: list[int] = []  # ids already sent to the client, all segments
         self.segment = 0  # 0: the first upstream attempt; >0: a migrated continuation
@@ -51,6 +57,16 @@ class StreamRelay:
     def resume_body(self) -> bytes:
         """The original request plus the tokens already streamed (same max_tokens: the budget)."""
         return _encode({**self.payload, "resume_token_ids": self.base_resume + self.tokens})
+
+    def upstream(self, target: str, body: bytes | bytearray) -> tuple[str, bytes | bytearray]:
+        """The path and body of the next attempt: the first segment's, or a continuation's."""
+        if self.adapter is None:
+            return target, (self.resume_body() if self.segment > 0 else body)
+        if self.segment == 0:
+            return target, self.adapter.first_body(body)
+        resumed = self.adapter.resume_body(self.tokens)
+        assert resumed is not None, "can_migrate is False without prompt ids (_forward_adapted)"
+        return self.adapter.resume_path(), resumed
 
     async def _start(self, instance: str) -> None:
         """Send the client our 200 and SSE headers: only once a valid first event is in hand."""
@@ -104,6 +120,8 @@ class StreamRelay:
             self.done = True
             await self.write(b"data: [DONE]\n\n")
             return True
+        if self.adapter is not None:
+            return await self._forward_adapted(data, instance)
         try:
             obj = _decode(data)
         except msgspec.DecodeError as exc:
@@ -130,6 +148,28 @@ class StreamRelay:
         self.tokens.extend(seen.ids)
         self.finished = self.finished or seen.finished
         self.can_migrate = self.can_migrate and seen.migratable
+        return False
+
+    async def _forward_adapted(self, data: bytes, instance: str) -> bool:
+        """``forward`` for an engine kind with an adapter (router/adapters)."""
+        seen = self.adapter.inspect(data, instance)
+        if self.segment == 0:
+            if self.first_id is None:
+                self.first_id, self.created = self.adapter.head(data, instance)
+            out = self.adapter.client_event(data, instance)
+        else:
+            out = self.adapter.continuation(data, self.first_id, self.created, instance, seen.carried)
+            if out is None:
+                return False
+        if not self.started:
+            await self._start(instance)
+        await self.write(b"data: " + out + b"\n\n")
+        self.tokens.extend(seen.ids)  # only now are they the client's (as in forward)
+        self.finished = self.finished or seen.finished
+        if self.can_migrate and not seen.migratable:
+            self.can_migrate, self.why_not = False, "the engine's events cannot be continued exactly"
+        elif self.can_migrate and self.adapter.prompt_ids is None:
+            self.can_migrate, self.why_not = False, "the engine sent no prompt_token_ids"
         return False
 
 
