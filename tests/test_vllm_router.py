@@ -13,8 +13,8 @@ import pytest
 import pytest_asyncio
 
 from router.adapters.vllm import VllmStream, why_not
-from tests.router_helpers import counter, running_router, tolerant
-from tests.vllm_helpers import HAVE_VLLM, Breaker, VllmServer, needs_vllm, vllm_checkpoint
+from router_helpers import counter, running_router, tolerant
+from vllm_helpers import HAVE_VLLM, Breaker, VllmServer, needs_vllm, vllm_checkpoint
 from failover_common.ports import free_port
 
 MAX_TOKENS = 24
@@ -85,7 +85,7 @@ async def cut_router(vllm):
 
 
 async def _wait_routable(router) -> None:
-    from tests.router_helpers import wait_for
+    from router_helpers import wait_for
     await wait_for(lambda: router.services["tiny"].routable() is not None, 30, "a routable primary")
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from failover.procs.tree import group_members, mapped_shm, remove_shm
+from failover.procs.tree import group_members, is_tracker, mapped_shm, remove_shm
 from failover.tools.tiny_model import TinySpec, write_checkpoint
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -72,16 +72,19 @@ class VllmServer:
         raise TimeoutError(f"vLLM not ready within {timeout:.0f} s: {self.log.read_text()[-3000:]}")
 
     def stop(self) -> None:
+        # as failover.procs.tree does it: all but the resource tracker killed; it cleans up after them
         for pid in group_members(self.proc.pid):
             self.shm |= mapped_shm(pid)
+            if not is_tracker(pid):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(10)
+        deadline = time.monotonic() + 5
+        while group_members(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        self.proc.wait(10)
-        deadline = time.monotonic() + 10
-        while group_members(self.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.02)
         remove_shm(self.shm)
         self._out.close()
         self.log.unlink(missing_ok=True)

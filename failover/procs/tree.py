@@ -7,7 +7,10 @@ is its pid and every child it starts inherits that group unless it calls setsid 
 *last* process of the group:
 
 - the leader's pidfd turns readable (a crash, ``kill -9``, a stop): every process left in the group
-  gets SIGKILL at once: the unit is dead, a headless EngineCore must not keep the memory;
+  gets SIGKILL at once (the unit is dead, a headless EngineCore must not keep the memory), except
+  multiprocessing's resource tracker: once the others are gone it reads EOF and unlinks every
+  semaphore and shared-memory segment they registered (also those of processes that exited long
+  ago, which nothing maps any more), then exits; it is killed too after ``TRACKER_GRACE``;
 - the group is polled through /proc until no live (non-zombie) process is left in it; the members
   are re-parented to the supervisor (a child subreaper) and reaped by its SIGCHLD handler;
 - the POSIX shared-memory files the tree had mapped (``/dev/shm/psm_*`` from multiprocessing's
@@ -38,6 +41,7 @@ log = structlog.get_logger(__name__)
 
 SHM_DIR = "/dev/shm/"
 GROUP_GONE_TIMEOUT = 10.0  # SIGKILLed processes leave in milliseconds; one in D state may take longer
+TRACKER_GRACE = 3.0  # for multiprocessing's resource tracker to clean up after the others
 POLL = 0.005
 
 
@@ -56,6 +60,15 @@ def group_members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
             found.append(int(entry))
     return found
+
+
+def is_tracker(pid: int) -> bool:
+    """Whether ``pid`` is multiprocessing's resource tracker (it cleans up after its peers)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
 
 
 def mapped_shm(pid: int) -> set[str]:
@@ -110,12 +123,11 @@ class TreeChild(Child):
     def _leader_exited(self) -> None:
         """The leader is gone: stop the survivors, note what they map, kill them, wait, clean up."""
         self.leader_exited_at = time.monotonic()
-        members = group_members(self.pgid)
-        if members:
-            self._signal_group(signal.SIGSTOP)
-            self.scan()
-            self._signal_group(signal.SIGKILL)
-            self._signal_group(signal.SIGCONT)  # a stopped process dies on SIGKILL anyway; be sure
+        members = [p for p in group_members(self.pgid) if not is_tracker(p)]
+        _kill(members, signal.SIGSTOP)  # nothing maps, forks or unlinks while we look
+        for pid in members:
+            self.shm |= mapped_shm(pid)
+        _kill(members, signal.SIGKILL)
         self.members_killed = len(members)
         self._loop.create_task(self._reap_group(), name=f"tree-{self.name}")
 
@@ -126,9 +138,13 @@ class TreeChild(Child):
             pass
 
     async def _reap_group(self) -> None:
-        deadline = time.monotonic() + GROUP_GONE_TIMEOUT
+        now = time.monotonic()
+        grace, deadline = now + TRACKER_GRACE, now + GROUP_GONE_TIMEOUT
         while (left := group_members(self.pgid)) and time.monotonic() < deadline:
-            self._signal_group(signal.SIGKILL)
+            if time.monotonic() > grace:
+                self._signal_group(signal.SIGKILL)
+            else:  # the tracker may finish its cleanup; anything else (a late fork) dies now
+                _kill([p for p in left if not is_tracker(p)], signal.SIGKILL)
             await asyncio.sleep(POLL)
         if left:
             log.error("process_tree_not_gone", process_name=self.name, pgid=self.pgid, pids=left,
@@ -138,6 +154,14 @@ class TreeChild(Child):
         log.info("process_tree_gone", process_name=self.name, pgid=self.pgid, members_killed=self.members_killed,
                  shm_removed=len(self.shm_removed), after_leader_ms=round((time.monotonic() - self.leader_exited_at) * 1e3, 1))
         self._finish()
+
+
+def _kill(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def remove_shm(paths: set[str]) -> list[str]:
