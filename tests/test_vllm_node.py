@@ -29,9 +29,9 @@ MAX_TOKENS = 32
 class StreamLoad(threading.Thread):
     """openai-SDK streams (greedy) in ``workers`` threads until stopped; each checked against ``want``."""
 
-    def __init__(self, url: str, want: dict[str, str], workers: int = 3) -> None:
+    def __init__(self, url: str, want: dict[str, str], workers: int = 2) -> None:
         super().__init__(daemon=True)
-        self.url, self.want, self.workers = url, want, workers
+        self.url, self.want, self.workers = url, want, workers  # 2 cores: vLLM itself needs one
         self.ok, self.failures, self.mismatches = 0, [], []
         self.midstream = 0  # streams that have text but are not finished yet
         self._stop_event = threading.Event()
@@ -134,13 +134,16 @@ def test_vllm_primary_and_standby_fail_over_migrate_switch_and_leave_nothing(vll
     wait_until(lambda: not any(os.path.exists(f"/proc/{p}") and p in group_members(primary["pid"])
                                for p in killed_members), 30, "every process of the killed tree gone")
     wait_until(lambda: not any(os.path.exists(f) for f in killed_shm), 30, "the killed tree's /dev/shm files removed")
-    back = wait_until(lambda: (p := node.serving_pair()) and p[1]["name"] == primary["name"]
-                      and p[1]["pid"] != primary["pid"] and p, READY_TIMEOUT, "the relaunched vLLM standby")
     seen = load.total()
     wait_until(lambda: load.total() >= seen + 3, 60, "traffic after the failover")
     load.stop()
     load.check()
-    assert "process_tree_gone" in node.log()
+    gone = [line for line in node.log().splitlines() if "process_tree_gone" in line]
+    print("\n".join(gone))
+    assert gone and '"members_killed": 0' not in gone[0], gone  # the orphans were ours to kill
+    # (the relaunch is not waited for under load: on 2 shared cores it would only take longer)
+    back = wait_until(lambda: (p := node.serving_pair()) and p[1]["name"] == primary["name"]
+                      and p[1]["pid"] != primary["pid"] and p, READY_TIMEOUT, "the relaunched vLLM standby")
     node.seen_pids |= {m for members, _ in trees.values() for m in members}
 
     # 2. a planned promote, then a drain of the new primary, under load: nothing fails

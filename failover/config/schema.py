@@ -143,6 +143,7 @@ class ServiceConfig(_Base):
     engine: Literal["failover", "vllm"] = "failover"
     engine_args: list[str] = []  # passed through to the engine's command line as they are (vllm)
     engine_python: str | None = None  # the interpreter that has vllm installed (default: ours)
+    engine_env: dict[str, str] = {}  # added to the engine's environment (vllm: VLLM_* settings)
     command: list[str] | None = None  # external engine: argv template with {port}, {model}, ...
     ready_path: str = "/ready"  # for external engines (vllm: /health, always)
     batch: BatchConfig | None = None
@@ -340,7 +341,7 @@ def _check_batch(key: str, svc: ServiceConfig, services: list[ServiceConfig]) ->
 
 def _check_engine(key: str, svc: ServiceConfig) -> list[str]:
     if svc.engine == "failover":
-        unused = [k for k in ("engine_args", "engine_python") if getattr(svc, k)]
+        unused = [k for k in ("engine_args", "engine_python", "engine_env") if getattr(svc, k)]
         return [f"{key}.{k}: only for engine = \"vllm\"; remove it (or set engine)" for k in unused]
     problems = []
     if svc.command is not None:

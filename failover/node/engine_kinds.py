@@ -16,6 +16,7 @@ is the same.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 
@@ -45,6 +46,17 @@ def vllm_kv_bytes(svc: ServiceConfig, *, primary: bool) -> int:
     if primary or svc.kind == "batch" or svc.standby_kv_memory_bytes is None:
         return svc.kv_memory_bytes
     return svc.standby_kv_memory_bytes
+
+
+def vllm_env(config: Config, svc: ServiceConfig) -> dict[str, str]:
+    """The environment of a vLLM instance: ours, plus ``engine_env``. On CPU, vLLM's default
+    (``VLLM_CPU_OMP_THREADS_BIND=auto``) pins every instance's worker to the same cores, so a
+    primary, its standby and a relaunch would share one core while the others idle: we ask for
+    ``nobind`` unless ``engine_env`` says otherwise (give each service its cores there)."""
+    env = dict(os.environ)
+    if config.model.device == "cpu":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    return env | svc.engine_env
 
 
 def vllm_argv(config: Config, svc: ServiceConfig, port: int, kv_bytes: int) -> list[str]:

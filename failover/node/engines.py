@@ -18,7 +18,7 @@ import structlog
 from failover.config.argv import engine_argv, external_argv
 from failover.config.kv import standby_bytes
 from failover.config.schema import Config, ServiceConfig
-from failover.node.engine_kinds import kind_of, vllm_argv, vllm_kv_bytes
+from failover.node.engine_kinds import kind_of, vllm_argv, vllm_env, vllm_kv_bytes
 from failover.procs import slots
 from failover.procs.slots import Slot
 from failover.procs import child as processes
@@ -72,7 +72,7 @@ class EngineStarter:
             raise
         if isinstance(child, TreeChild):
             child.scan()  # its shared-memory files, removed after it (failover.procs.tree)
-            info = {**info, "weights_source": info.get("weights_source", "disk")}
+            info = {"weights_source": "disk"}  # vLLM's /health has no body; it loads its own weights
         slot.ready_at, slot.ready_info = time.monotonic(), info
         slot.kv_bytes = info.get("kv_bytes") if isinstance(info.get("kv_bytes"), int) else None
         slot.change(slots.RUNNING, "ready", pid=child.pid, weights_source=info.get("weights_source"),
@@ -81,7 +81,7 @@ class EngineStarter:
     async def _start_process(self, slot: Slot, svc: ServiceConfig, on_exit, kv: int) -> Child:
         if svc.engine == "vllm":
             return processes.spawn(slot.name, vllm_argv(self.config, svc, slot.port, kv), on_exit=on_exit,
-                                   stdout=self.child_output, cls=TreeChild)
+                                   env=vllm_env(self.config, svc), stdout=self.child_output, cls=TreeChild)
         if svc.command is not None:
             return processes.spawn(slot.name, external_argv(self.config, svc, slot.name, slot.port),
                                    on_exit=on_exit, stdout=self.child_output)

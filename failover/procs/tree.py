@@ -3,8 +3,9 @@ multiprocessing's resource tracker), watched and ended as one unit.
 
 The leader is started in its own session (``spawn``: ``start_new_session``), so its process group id
 is its pid and every child it starts inherits that group unless it calls setsid itself. A
-``TreeChild`` is a ``Child`` whose signals go to the whole group, and whose exit is the exit of the
-*last* process of the group:
+``TreeChild`` is a ``Child`` whose SIGKILL reaches the whole group (SIGTERM goes to the leader,
+which shuts its children down in order), and whose exit is the exit of the *last* process of the
+group:
 
 - the leader's pidfd turns readable (a crash, ``kill -9``, a stop): every process left in the group
   gets SIGKILL at once (the unit is dead, a headless EngineCore must not keep the memory), except
@@ -107,13 +108,33 @@ class TreeChild(Child):
         super().__init__(name, pid, **kwargs)
 
     def send(self, sig: int) -> None:
-        """To every process of the group (the leader alone would orphan its engine core)."""
+        """SIGTERM/SIGINT to the leader, which stops its own children in order (vLLM's shutdown;
+        whatever is left when it exits is killed then); SIGKILL to every process of the group but
+        the resource tracker, which cleans up after the others (see the module docstring); any
+        other signal (SIGSTOP, SIGCONT) to the whole group."""
         if not self.alive:
             return
+        if sig == signal.SIGKILL:
+            self._kill_members()
+            return
+        if self.leader_exited_at is not None:
+            return  # the leader is reaped (its pid may be reused); the rest is being killed
         try:
-            os.killpg(self.pgid, sig)
+            if sig in (signal.SIGTERM, signal.SIGINT):
+                os.kill(self.pid, sig)
+            else:
+                os.killpg(self.pgid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def _kill_members(self) -> int:
+        """Stop every process of the group but the tracker, note the files they map, kill them."""
+        members = [p for p in group_members(self.pgid) if not is_tracker(p)]
+        _kill(members, signal.SIGSTOP)  # nothing maps, forks or unlinks while we look
+        for pid in members:
+            self.shm |= mapped_shm(pid)
+        _kill(members, signal.SIGKILL)
+        return len(members)
 
     def scan(self) -> None:
         """Record the shared-memory files the tree maps now (cheap: /proc of its few members)."""
@@ -123,12 +144,7 @@ class TreeChild(Child):
     def _leader_exited(self) -> None:
         """The leader is gone: stop the survivors, note what they map, kill them, wait, clean up."""
         self.leader_exited_at = time.monotonic()
-        members = [p for p in group_members(self.pgid) if not is_tracker(p)]
-        _kill(members, signal.SIGSTOP)  # nothing maps, forks or unlinks while we look
-        for pid in members:
-            self.shm |= mapped_shm(pid)
-        _kill(members, signal.SIGKILL)
-        self.members_killed = len(members)
+        self.members_killed = self._kill_members()
         self._loop.create_task(self._reap_group(), name=f"tree-{self.name}")
 
     def _signal_group(self, sig: int) -> None:
