@@ -176,3 +176,26 @@ def test_vllm_primary_and_standby_fail_over_migrate_switch_and_leave_nothing(vll
     new = {f for f in os.listdir("/dev/shm") if f.startswith(("psm_", "sem.mp-"))} - node.shm_before
     assert not new, f"/dev/shm files that appeared while the node ran are left (tests run one at a time in CI): {new}"
     node.stop = lambda: None  # stopped already
+
+
+def test_a_sigkilled_supervisor_leaves_no_vllm_process(procs, run_dir):
+    """The API servers die with the supervisor (PR_SET_PDEATHSIG), and their engine cores and workers
+    with them (failover_vllm.plugin), though vLLM itself does not notice its API server's death."""
+    model = vllm_checkpoint(Path(run_dir) / "model")
+    node = Node.__new__(Node)
+    from supervisor_helpers import write_config
+    config = write_config(Path(run_dir) / "node.toml", model=model, run_dir=Path(run_dir) / "node",
+                          service_extra={"engine": "vllm", "engine_args": VLLM_FLAGS, "kv_memory": "256MiB",
+                                         "standbys": 0},
+                          supervisor={"ready_timeout": READY_TIMEOUT})
+    before = set(os.listdir("/dev/shm"))
+    node._launch(procs, Path(run_dir), config, ready_timeout=READY_TIMEOUT)
+    slot = node.status()["supervisor"]["slots"][0]
+    members = group_members(slot["pid"])
+    assert len(members) >= 3, members
+    os.kill(node.proc.pid, signal.SIGKILL)
+    node.proc.wait(10)
+    wait_until(lambda: not group_members(slot["pid"]), 30, "every vLLM process gone after the supervisor")
+    # the resource tracker (no plugin: it imports no vLLM) saw its peers go and cleaned up after them
+    new = {f for f in os.listdir("/dev/shm") if f.startswith(("psm_", "sem.mp-"))} - before
+    assert not new, f"/dev/shm files left behind: {new}"

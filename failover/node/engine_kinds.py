@@ -53,7 +53,7 @@ def vllm_env(config: Config, svc: ServiceConfig) -> dict[str, str]:
     (``VLLM_CPU_OMP_THREADS_BIND=auto``) pins every instance's worker to the same cores, so a
     primary, its standby and a relaunch would share one core while the others idle: we ask for
     ``nobind`` unless ``engine_env`` says otherwise (give each service its cores there)."""
-    env = dict(os.environ)
+    env = dict(os.environ, FAILOVER_VLLM_DIE_WITH_PARENT="1")  # failover_vllm.plugin
     if config.model.device == "cpu":
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     return env | svc.engine_env
