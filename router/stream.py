@@ -63,8 +63,8 @@ class StreamRelay:
         if self.adapter is None:
             return target, (self.resume_body() if self.segment > 0 else body)
         if self.segment == 0:
-            return target, self.adapter.first_body(body)
-        resumed = self.adapter.resume_body(self.tokens)
+            return target, self.adapter.first_body(self.payload, body)
+        resumed = self.adapter.resume_body(self.payload, self.tokens)
         assert resumed is not None, "can_migrate is False without prompt ids (_forward_adapted)"
         return self.adapter.resume_path(), resumed
 
@@ -158,7 +158,7 @@ class StreamRelay:
                 self.first_id, self.created = self.adapter.head(data, instance)
             out = self.adapter.client_event(data, instance)
         else:
-            out = self.adapter.continuation(data, self.first_id, self.created, instance, seen.carried)
+            out = self.adapter.continuation(data, self.first_id, self.created, instance)
             if out is None:
                 return False
         if not self.started:

@@ -40,13 +40,13 @@ def test_a_chat_continuation_is_a_completion_of_the_templated_prompt_and_the_sen
     s.inspect(first, "a")
     assert s.head(first, "a") == ("c1", 5)
     import msgspec
-    body = msgspec.json.decode(s.resume_body([7, 8]))
+    body = msgspec.json.decode(s.resume_body(s.payload, [7, 8]))
     assert body["prompt"] == [1, 2, 3, 7, 8] and body["max_tokens"] == 8
     assert body["seed"] == 3 and body["temperature"] == 0.7 and "messages" not in body
     assert s.resume_path() == "/v1/completions"
     out = msgspec.json.decode(s.continuation(
         b'{"id":"x","created":9,"model":"m","choices":[{"index":0,"text":" yo","token_ids":[9],"finish_reason":null}]}',
-        "c1", 5, "b", True))
+        "c1", 5, "b"))
     assert out["id"] == "c1" and out["created"] == 5 and out["object"] == "chat.completion.chunk"
     assert out["choices"][0]["delta"] == {"content": " yo"} and out["choices"][0]["token_ids"] is None
 

@@ -3,7 +3,8 @@
 vLLM sends token ids only when asked (``return_token_ids: true``): then every choice of a streamed
 chunk carries ``token_ids``, and the first chunk the prompt's ids (``choices[0].prompt_token_ids``
 on /v1/completions; ``prompt_token_ids`` on the chunk on /v1/chat/completions, where they carry the
-chat template). One ``VllmStream`` per streamed request:
+chat template). One ``VllmStream`` per streamed request (its calls have the signatures of router-speed's
+``router.resume.Resume``, plus ``client_event`` and ``resume_path``):
 
 - ``first_body`` adds ``return_token_ids`` when the client did not ask for it, and ``client_event``
   then takes ``token_ids``/``prompt_token_ids`` out of every event again, so the client gets what it
@@ -113,7 +114,7 @@ class VllmStream:
     def resumable(self) -> bool:
         return self.why_not is None
 
-    def first_body(self, raw: bytes | bytearray) -> bytes | bytearray:
+    def first_body(self, payload: dict | None, raw: bytes | bytearray) -> bytes | bytearray:
         if self.asked or not self.resumable:
             return raw  # asked already, or no point: the client's bytes go through as they are
         return _encode({**self.payload, "return_token_ids": True})
@@ -121,7 +122,7 @@ class VllmStream:
     def resume_path(self) -> str:
         return COMPLETIONS
 
-    def resume_body(self, sent: list[int]) -> bytes | None:
+    def resume_body(self, payload: dict, sent: list[int]) -> bytes | None:
         """The continuation after ``sent`` (every id the client got); None: no prompt ids seen."""
         if self.prompt_ids is None or not self.resumable:
             return None
@@ -191,7 +192,7 @@ class VllmStream:
                 seen.finished = seen.carried = True
         return seen
 
-    def head(self, data: bytes, instance: str) -> tuple[Any, Any]:
+    def head(self, data: bytes, instance: str = "-") -> tuple[Any, Any]:
         """The first event's ``id`` and ``created``, stamped on a continuation's events."""
         obj = self._obj(data, instance)
         return obj.get("id"), obj.get("created")
@@ -210,10 +211,11 @@ class VllmStream:
                     ch[key] = None
         return _encode(obj)
 
-    def continuation(self, data: bytes, first_id: Any, created: Any, instance: str, carried: bool) -> bytes | None:
-        """A continuation event (a completion chunk) rewritten as the first segment's stream."""
+    def continuation(self, data: bytes, first_id: Any, created: Any, instance: str) -> bytes | None:
+        """A continuation event (a completion chunk) rewritten as the first segment's stream (None:
+        nothing for the client in it)."""
         obj = self._obj(data, instance)
-        if not carried and obj.get("usage") is None and "error" not in obj:
+        if not self.inspect(data, instance).carried and obj.get("usage") is None and "error" not in obj:
             return None
         choices = []
         for ch in obj.get("choices") or ():
