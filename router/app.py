@@ -22,6 +22,7 @@ import structlog
 from aiohttp import web
 
 from router import states
+from router.adapters import adapter_for
 from router.admin import AdminAPI, read_token
 from router.backend import Instance, Service
 from router.config import RouterConfig
@@ -55,13 +56,21 @@ class Router:
         self.port: int | None = None
 
     # -- instances ----------------------------------------------------------------------------
-    def add_instance(self, service: str, name: str, url: str, role: str, pid: int | None = None) -> Instance:
-        """Register an instance (or re-register a relaunched/stopped/preempted one under its name)."""
+    def add_instance(self, service: str, name: str, url: str, role: str, pid: int | None = None, *,
+                     engine: str = "failover", probe_path: str | None = None) -> Instance:
+        """Register an instance (or re-register a relaunched/stopped/preempted one under its name).
+        ``engine``: its kind (router/adapters: how its streams migrate); ``probe_path``: its
+        liveness path (default: the kind's, vLLM's /health; for ours the config's probe_path)."""
         if role not in states.INITIAL_ROLES:
             raise ValueError(f"role must be one of {states.INITIAL_ROLES}, not {role!r}")
+        adapter = adapter_for(engine)
         svc = self.services.get(service)
         if svc is None:
             svc = self.services[service] = Service(service, self.config.queue_size)
+            svc.adapter = adapter
+        elif svc.adapter is not adapter:
+            raise ValueError(f"service {service!r} runs engine kind {svc.engine!r}, not {engine!r}")
+        probe_path = probe_path or (adapter.probe_path if adapter is not None else self.config.probe_path)
         if role == states.PRIMARY and svc.primary is not None and svc.primary.name != name:
             raise ValueError(f"service {service!r} already has primary {svc.primary.name!r}; "
                              f"add {name!r} as a standby and promote it")
@@ -69,6 +78,7 @@ class Router:
         if inst is None:
             inst = Instance(service, name, url, role, pid, self.config.max_upstream,
                             self.config.upstream_queue_size)
+            inst.probe_path = probe_path
             svc.instances[name] = inst
             log.info("instance_added", service=service, instance=name, url=inst.url, role=role, pid=pid)
             self.metrics.set_role(service, name, role)
@@ -79,6 +89,7 @@ class Router:
             if inst.role in states.SERVING and not inst.fenced:
                 raise ValueError(f"instance {name!r} is {inst.role}; remove it before re-adding")
             self._reregister(inst, url, role, pid)
+            inst.probe_path = probe_path
         if role == states.PRIMARY:
             svc.primary = inst
         svc.refresh()
@@ -104,13 +115,14 @@ class Router:
         event loop, synchronously: a listener schedules its work, it never blocks)."""
         self.promoter.role_listeners.append(listener)
 
-    def register(self, service: str, name: str, url: str, role: str, pid: int | None) -> None:
+    def register(self, service: str, name: str, url: str, role: str, pid: int | None, *,
+                 engine: str = "failover", probe_path: str | None = None) -> None:
         """A launcher's ready instance: added, or re-registered when it is out of service
         (relaunching, stopped, preempted); one the router still routes (a resumed standby whose
         engine was started again) keeps its role and only learns its new pid."""
         inst = self._find(name)
         if inst is None or inst.role in states.OUT_OF_SERVICE:
-            self.add_instance(service, name, url, role, pid=pid)
+            self.add_instance(service, name, url, role, pid=pid, engine=engine, probe_path=probe_path)
         else:
             inst.pid = pid
 

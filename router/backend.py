@@ -16,7 +16,6 @@ import aiohttp
 
 from router import states
 from router.errors import NoPrimary, Saturated
-from router.resume import BUNDLED, Resume
 
 
 class Attempt:
@@ -141,6 +140,7 @@ class Instance:
         self.fenced = False  # never serves again under this registration
         self.generation = 0  # bumped on re-registration: late results of the old one are dropped
         self.probe_latency: float | None = None
+        self.probe_path = "/ready"  # its engine kind's liveness path (set by Router.add_instance)
         self.last_ok: float | None = None  # monotonic time of the last good response or chunk
         self.inflight = 0
         self.attempts: set[Attempt] = set()  # upstream requests in flight
@@ -239,9 +239,12 @@ class Service:
         self.waiting = 0
         self.closing = False
         self.lock = asyncio.Lock()  # serialises planned switchovers and drains
-        # How its engines' streams are resumed (router/resume.py); an engine kind's adapter replaces it.
-        self.resume: Resume = BUNDLED
         self._available = asyncio.Event()
+        self.adapter = None  # its engine kind's migration (router/adapters); None: our engine's
+
+    @property
+    def engine(self) -> str:
+        return "failover" if self.adapter is None else self.adapter.name
 
     def routable(self) -> Instance | None:
         p = self.primary

@@ -21,6 +21,7 @@ from failover_common.logs import configure_logging
 from router import evloop
 from router.admin import TokenFileError
 from router.app import Router
+from router.adapters import ENGINES
 from router.config import RouterConfig
 
 log = structlog.get_logger(__name__)
@@ -45,7 +46,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=d.host, help="listen address (default: %(default)s, loopback)")
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--admin-token-file", type=Path, help="0600 file with the admin bearer token")
-    p.add_argument("--probe-path", default=d.probe_path, help="readiness path (vLLM/SGLang: /health)")
+    p.add_argument("--probe-path", default=None,
+                   help=f"readiness path (default: the engine kind's: {d.probe_path}, vllm: /health)")
+    p.add_argument("--engine", choices=ENGINES, default="failover",
+                   help="the backends' engine kind: how their streams are migrated (docs/vllm.md)")
     p.add_argument("--probe-interval", type=float, default=d.probe_interval)
     p.add_argument("--probe-timeout", type=float, default=d.probe_timeout)
     p.add_argument("--failure-threshold", type=int, default=d.failure_threshold)
@@ -92,7 +96,7 @@ def main(argv: list[str]) -> int:
     try:
         config = RouterConfig(
             host=args.host, port=args.port, admin_token_file=args.admin_token_file,
-            probe_path=args.probe_path, probe_interval=args.probe_interval,
+            probe_path=args.probe_path or d.probe_path, probe_interval=args.probe_interval,
             probe_timeout=args.probe_timeout, failure_threshold=args.failure_threshold,
             queue_size=args.queue_size, queue_deadline=args.queue_deadline,
             max_retries=args.max_retries, max_migrations=args.max_migrations,
@@ -120,9 +124,10 @@ def main(argv: list[str]) -> int:
 async def _serve(config: RouterConfig, args: argparse.Namespace) -> int:
     router = Router(config, launcher=None)
     (first, url), *rest = args.backend
-    router.add_instance(args.service, first, url, "primary")
+    kind = {"engine": args.engine, "probe_path": args.probe_path}
+    router.add_instance(args.service, first, url, "primary", **kind)
     for name, url in rest + args.standby:
-        router.add_instance(args.service, name, url, "standby")
+        router.add_instance(args.service, name, url, "standby", **kind)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

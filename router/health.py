@@ -98,7 +98,7 @@ class HealthMonitor:
         ok, why = False, ""
         try:
             async with asyncio.timeout(self.config.probe_timeout):
-                async with self._client().get(inst.url + self.config.probe_path) as resp:
+                async with self._client().get(inst.url + inst.probe_path) as resp:
                     await resp.read()
                     ok, why = resp.status == 200, f"status {resp.status}"
         except TimeoutError:

@@ -96,7 +96,7 @@ class Proxy:
         service = self.pick(payload.get("model") if payload else None)
         if service is None:
             return self._error(None, 503, "no service is configured", "service_unavailable")
-        relay = (StreamRelay(payload, request, service.resume)
+        relay = (StreamRelay(payload, request, service.adapter)
                  if payload and payload.get("stream") is True else None)
         try:
             return await self._serve(request, target, service, body, relay, t0)
@@ -123,7 +123,7 @@ class Proxy:
                         relay: StreamRelay | None, t0: float, recovery: Recovery) -> web.StreamResponse:
         headers = _forward_headers(request.headers)
         if relay is not None:  # what the engine kind needs added to stream (ours: nothing, same bytes)
-            body = relay.resume.first_body(relay.payload, body)
+            body = relay.first_body(body)
         retries = migrations = 0
         while True:
             deadline = time.monotonic() + self.config.queue_deadline
@@ -138,10 +138,10 @@ class Proxy:
             if inst.fenced or service.routable() is not inst:  # switched away while we queued: not a retry
                 inst.gate.leave()
                 continue
-            send = relay.resume_body() if relay is not None and relay.segment > 0 else body
+            path, send = relay.upstream(target, body) if relay is not None else (target, body)
             inst.begin()
             try:
-                return await self._attempt(request, target, service, inst, send, headers, relay, t0, recovery)
+                return await self._attempt(request, path, service, inst, send, headers, relay, t0, recovery)
             except BackendFailed as exc:
                 failure = exc
                 recovery.begin()
@@ -155,7 +155,7 @@ class Proxy:
                     self._count(service, 200, relay.first_byte_at, t0)
                     return relay.response
                 if not relay.can_migrate or migrations >= self.config.max_migrations:
-                    why = "not migratable (no token_ids)" if not relay.can_migrate else "too many migrations"
+                    why = f"not migratable ({relay.why_not})" if not relay.can_migrate else "too many migrations"
                     await relay.fail(f"upstream failed mid-stream and the stream is {why}: {failure}")
                     self.metrics.requests.labels(service.name, "stream_error").inc()
                     return relay.response

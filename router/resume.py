@@ -6,8 +6,14 @@ what was sent; everything that depends on the engine kind is here, behind ``Resu
     first_body(payload, raw)   the body of the first attempt (``raw`` itself when nothing is added)
     inspect(data, instance)    one event's data -> Seen (token ids, text carried, finish_reason)
     head(data)                 the first event's (id, created), stamped on a continuation's events
+    resume_path(path)          the path the continuation goes to (ours: the same; vLLM's chat: completions)
     resume_body(payload, sent) the request that continues the stream after the ``sent`` token ids
     continuation(data, ...)    one event of a resumed segment, rewritten for the client (None: drop)
+    rewrites_first             True when first-segment events are rewritten for the client too
+    client_event(data, ...)    such a first-segment event as the client asked for it
+
+An engine kind (router/adapters) gives one such object per stream (``adapter.stream(payload,
+path)``), since it may keep per-stream state (vLLM: the prompt's ids from the first event).
 
 ``BundledResume`` is our engine's (``token_ids`` on every choice, ``resume_token_ids`` in the
 request). A kind that cannot resume exactly makes ``inspect`` report ``migratable=False``: its
@@ -41,15 +47,21 @@ class Seen:
 
 
 class Resume(Protocol):
+    rewrites_first: bool
+
     def first_body(self, payload: dict | None, raw: bytes | bytearray) -> bytes | bytearray: ...
 
     def inspect(self, data: bytes, instance: str) -> Seen: ...
 
     def head(self, data: bytes) -> tuple[Any, Any]: ...
 
+    def resume_path(self, path: str) -> str: ...
+
     def resume_body(self, payload: dict, sent: list[int]) -> bytes: ...
 
     def continuation(self, data: bytes, first_id: Any, created: Any, instance: str) -> bytes | None: ...
+
+    def client_event(self, data: bytes, instance: str) -> bytes: ...
 
 
 class _Delta(msgspec.Struct):
@@ -81,6 +93,14 @@ _decode_head = msgspec.json.Decoder(_Head).decode
 
 class BundledResume:
     """Our engine: ids on every choice, ``resume_token_ids`` continues after them."""
+
+    rewrites_first = False  # the first segment's bytes go to the client unchanged
+
+    def client_event(self, data: bytes, instance: str) -> bytes:
+        return data
+
+    def resume_path(self, path: str) -> str:
+        return path
 
     def first_body(self, payload: dict | None, raw: bytes | bytearray) -> bytes | bytearray:
         return raw  # the engine sends token ids unasked: the client's bytes go through as they are

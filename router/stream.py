@@ -43,12 +43,16 @@ class ClientGone(Exception):
 
 
 class StreamRelay:
-    def __init__(self, payload: dict, request: web.Request, resume: Resume = BUNDLED) -> None:
+    def __init__(self, payload: dict, request: web.Request, adapter=None) -> None:
         self.payload = payload
         self.request = request
-        self.resume = resume
+        # the engine kind's per-stream migration (router/adapters); None: our engine's (router/resume.py)
+        self.resume: Resume = adapter.stream(payload, request.path) if adapter is not None else BUNDLED
         n = payload.get("n", 1)
         self.can_migrate = request.path in MIGRATABLE_PATHS and n in (1, None) and not payload.get("echo")
+        self.why_not = "no token_ids" if adapter is None else "the engine's events cannot be continued exactly"
+        if adapter is not None and not self.resume.resumable:
+            self.can_migrate, self.why_not = False, self.resume.why_not
         self.tokens: list[int] = []  # ids already sent to the client, all segments
         self.segment = 0  # 0: the first upstream attempt; >0: a migrated continuation
         self.first_id = self.created = None
@@ -64,6 +68,16 @@ class StreamRelay:
     def resume_body(self) -> bytes:
         """The original request continued after the tokens already streamed (same budget)."""
         return self.resume.resume_body(self.payload, self.tokens)
+
+    def first_body(self, raw: bytes | bytearray) -> bytes | bytearray:
+        """The first attempt's body: what the engine kind needs added (ours: nothing, same bytes)."""
+        return self.resume.first_body(self.payload, raw)
+
+    def upstream(self, target: str, body: bytes | bytearray) -> tuple[str, bytes | bytearray]:
+        """The path and body of the next attempt: the first segment's, or a continuation's."""
+        if self.segment == 0:
+            return target, body
+        return self.resume.resume_path(target), self.resume_body()
 
     async def _start(self, instance: str) -> None:
         """Send the client our 200 and SSE headers: only once a valid first event is in hand."""
@@ -137,7 +151,8 @@ class StreamRelay:
             for s in seen:
                 self.tokens += s.ids
                 self.finished = self.finished or s.finished
-                self.can_migrate = self.can_migrate and s.migratable
+                if not s.migratable:
+                    self.can_migrate = False
             mark_ok(now)
             if first:
                 first = False
@@ -152,8 +167,8 @@ class StreamRelay:
         """The bytes to send for ``events`` (whole events, each ending in a blank line) and what
         each data event carried; sets ``done`` on [DONE] (anything after it is dropped)."""
         seen: list[Seen] = []
-        pieces: list[bytes] = []  # segment > 0 only: rewritten events
-        first_seg = self.segment == 0
+        pieces: list[bytes] = []  # rewritten events (a continuation's, or a first segment's that the kind rewrites)
+        first_seg = self.segment == 0 and not self.resume.rewrites_first  # bytes go out unchanged
         skip = 0  # first segment: leading comments before the stream started are not sent
         pos, n = 0, len(events)
         while pos < n:
@@ -176,6 +191,11 @@ class StreamRelay:
             if first_seg:
                 if self.first_id is None and not seen:
                     self.first_id, self.created = self.resume.head(data)
+                seen.append(s)
+            elif self.segment == 0:  # a first segment the engine kind rewrites for the client
+                if self.first_id is None and not seen:
+                    self.first_id, self.created = self.resume.head(data)
+                pieces.append(b"data: " + self.resume.client_event(data, instance) + b"\n\n")
                 seen.append(s)
             else:
                 out = self.resume.continuation(data, self.first_id, self.created, instance)

@@ -138,8 +138,14 @@ class ServiceConfig(_Base):
     port: Port | None = None  # first port; instances take port, port+1, ... (1 + standbys of them)
     port_range: tuple[Port, Port] | None = None  # inclusive [first, last]
     max_batch: PositiveInt = 16
+    # the engine kind: "failover" (the bundled engine, forked from the zygote) or "vllm" (vLLM's
+    # OpenAI server, one process tree per instance; docs/vllm.md)
+    engine: Literal["failover", "vllm"] = "failover"
+    engine_args: list[str] = []  # passed through to the engine's command line as they are (vllm)
+    engine_python: str | None = None  # the interpreter that has vllm installed (default: ours)
+    engine_env: dict[str, str] = {}  # added to the engine's environment (vllm: VLLM_* settings)
     command: list[str] | None = None  # external engine: argv template with {port}, {model}, ...
-    ready_path: str = "/ready"  # for external engines
+    ready_path: str = "/ready"  # for external engines (vllm: /health, always)
     batch: BatchConfig | None = None
 
     @property
@@ -286,6 +292,7 @@ def _check_services(config: Config) -> list[str]:
             problems += _check_batch(f"{key}.batch", svc, config.service)
         if svc.command is not None:
             problems += _check_template(key, svc.command)
+        problems += _check_engine(key, svc)
         if (svc.port is None) == (svc.port_range is None):
             problems.append(f"{key}: set exactly one of port (first port) or port_range ([first, last])")
             continue
@@ -328,7 +335,23 @@ def _check_batch(key: str, svc: ServiceConfig, services: list[ServiceConfig]) ->
         problems.append(f"{key}.output_mode: {b.output_mode:#o} must let us read and write (0o600) and nobody "
                         "else write; e.g. 0o600 (the default) or 0o640 (TOML octal: 0o640)")
     if svc.command is not None:
-        problems.append(f"{key}: a batch service runs our engine (forked from the zygote); remove command")
+        problems.append(f"{key}: a batch service runs a managed engine (ours or engine = \"vllm\"); remove command")
+    return problems
+
+
+def _check_engine(key: str, svc: ServiceConfig) -> list[str]:
+    if svc.engine == "failover":
+        unused = [k for k in ("engine_args", "engine_python", "engine_env") if getattr(svc, k)]
+        return [f"{key}.{k}: only for engine = \"vllm\"; remove it (or set engine)" for k in unused]
+    problems = []
+    if svc.command is not None:
+        problems.append(f"{key}.command: engine = {svc.engine!r} builds its own command line; remove command "
+                        "(extra flags go in engine_args)")
+    owned = {"--model", "--port", "--host", "--served-model-name", "--kv-cache-memory-bytes"}
+    for arg in svc.engine_args:
+        if arg.split("=", 1)[0] in owned:
+            problems.append(f"{key}.engine_args: {arg!r} is set by the supervisor (from model.path, the "
+                            "service's name, port and kv_memory); remove it")
     return problems
 
 

@@ -1,8 +1,10 @@
 """The load trigger of co-serving: a sampler of the watched online services' load, fed to each batch
 job's policy every ``sample_interval``.
 
-Load of an online service = its requests waiting for a primary plus those in flight at the router,
-and its primary's windowed mean time-to-first-token, read from the engine's own /metrics page.
+Load of an online service = its requests waiting for a primary plus those in flight at the router
+(or, when more, the requests its engine says are waiting: vLLM's ``vllm:num_requests_waiting``), and
+its primary's windowed mean time-to-first-token, read from the engine's own /metrics page: ours
+(``engine_time_to_first_token_seconds``) or vLLM's (``vllm:time_to_first_token_seconds``).
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ class LoadSampler:
                 if not live:
                     continue
                 watched = {name for j in live for name in j.watch}
-                load = {name: (self.router.queue_depth(name), await self._ttft_window(session, name))
-                        for name in watched}
+                load = {}
+                for name in watched:
+                    ttft, waiting = await self._engine_load(session, name)
+                    load[name] = (max(self.router.queue_depth(name), waiting), ttft)
                 now = time.monotonic()
                 for job in live:
                     await self._decide(job, now, load)
@@ -68,32 +72,46 @@ class LoadSampler:
         if decision is not Decision.NONE:
             await self.act(job, decision)
 
-    async def _ttft_window(self, session: aiohttp.ClientSession, service: str) -> float | None:
-        """Mean time-to-first-token of ``service``'s primary since the last sample (None: no request)."""
+    async def _engine_load(self, session: aiohttp.ClientSession, service: str) -> tuple[float | None, int]:
+        """Mean time-to-first-token of ``service``'s primary since the last sample (None: no request),
+        and the requests its engine reports waiting (0 where it reports none)."""
         inst = self.router.primary(service)
         if inst is None or inst.pid is None:
-            return None
+            return None, 0
         try:
             async with session.get(inst.url + "/metrics") as resp:
                 text = await resp.text()
         except (aiohttp.ClientError, asyncio.TimeoutError):
-            return None
-        total, count = ttft_totals(text)
+            return None, 0
+        total, count, waiting = engine_totals(text)
         last = self._ttft.get(inst.name)
         self._ttft[inst.name] = (inst.pid, total, count)
         if last is None or last[0] != inst.pid or count <= last[2]:
-            return None
-        return (total - last[1]) / (count - last[2])
+            return None, waiting
+        return (total - last[1]) / (count - last[2]), waiting
+
+
+# Per engine kind: its time-to-first-token histogram and its gauge of requests waiting.
+TTFT_METRICS = frozenset({"engine_time_to_first_token_seconds", "vllm:time_to_first_token_seconds"})
+WAITING_METRICS = frozenset({"vllm:num_requests_waiting"})
 
 
 def ttft_totals(metrics_text: str) -> tuple[float, float]:
     """(sum of seconds, count) of an engine's time-to-first-token histogram, from its /metrics page."""
-    total = count = 0.0
+    total, count, _ = engine_totals(metrics_text)
+    return total, count
+
+
+def engine_totals(metrics_text: str) -> tuple[float, float, int]:
+    """(TTFT sum, TTFT count, requests waiting) from an engine's /metrics page, of any kind."""
+    total = count = waiting = 0.0
     for family in text_string_to_metric_families(metrics_text):
-        if family.name == "engine_time_to_first_token_seconds":
+        if family.name in TTFT_METRICS:
             for sample in family.samples:
                 if sample.name.endswith("_sum"):
                     total += sample.value
                 elif sample.name.endswith("_count"):
                     count += sample.value
-    return total, count
+        elif family.name in WAITING_METRICS:
+            waiting += sum(s.value for s in family.samples)
+    return total, count, int(waiting)

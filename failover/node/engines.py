@@ -1,5 +1,6 @@
-"""Starting one slot's engine: a fork of the zygote (fast), a cold spawn (fallback), or a service's own
-command (an external engine), then waiting for its /ready.
+"""Starting one slot's engine: a fork of the zygote (fast), a cold spawn (fallback), a managed vLLM
+server (a process tree, failover.node.engine_kinds), or a service's own command (an external
+engine), then waiting for its readiness path (/ready; vLLM: /health).
 
 The slot's state moves STOPPED|EXITED -> STARTING -> RUNNING here; a process that never becomes ready
 is stopped again before the error goes up.
@@ -17,11 +18,13 @@ import structlog
 from failover.config.argv import engine_argv, external_argv
 from failover.config.kv import standby_bytes
 from failover.config.schema import Config, ServiceConfig
+from failover.node.engine_kinds import kind_of, vllm_argv, vllm_env, vllm_kv_bytes
 from failover.procs import slots
 from failover.procs.slots import Slot
 from failover.procs import child as processes
 from failover.procs import launch
 from failover.procs.child import Child, ChildFailed
+from failover.procs.tree import TreeChild
 
 log = structlog.get_logger(__name__)
 
@@ -40,7 +43,11 @@ class EngineStarter:
                      on_exit: Callable[[Child], None], *, primary: bool) -> None:
         """Start ``slot``'s process and wait for its /ready; raises ChildFailed (process ended).
         A primary (or a batch engine) gets the full KV budget, a standby its small one."""
-        kv = svc.kv_memory_bytes if primary or svc.kind == "batch" else standby_bytes(svc, self.config.model)
+        kind = kind_of(svc)
+        if not kind.resizable_kv:
+            kv = vllm_kv_bytes(svc, primary=primary)
+        else:
+            kv = svc.kv_memory_bytes if primary or svc.kind == "batch" else standby_bytes(svc, self.config.model)
         slot.kv_target, slot.kv_bytes = kv, None
         slot.change(slots.STARTING, reason, launch=self.sup.launch, attempt=slot.launches + 1, kv_bytes=kv)
         slot.launches += 1
@@ -55,19 +62,26 @@ class EngineStarter:
             raise
         slot.child, slot.launched_at = child, time.monotonic()
         assert self.session is not None
+        ready_path = kind.ready_path if svc.command is None else svc.ready_path
         try:
             info = await processes.wait_http_ready(
-                slot.url + svc.ready_path, child, self.sup.ready_timeout, self.session,
+                slot.url + ready_path, child, self.sup.ready_timeout, self.session,
                 progress=lambda s: self.progress(f"{slot.name}: waiting for /ready ({s:.0f} s)"))
         except (ChildFailed, asyncio.CancelledError):
             await slot.stop("not ready", self.sup.stop_timeout)  # never became ready, or we gave up on it
             raise
+        if isinstance(child, TreeChild):
+            child.scan()  # its shared-memory files, removed after it (failover.procs.tree)
+            info = {"weights_source": "disk"}  # vLLM's /health has no body; it loads its own weights
         slot.ready_at, slot.ready_info = time.monotonic(), info
         slot.kv_bytes = info.get("kv_bytes") if isinstance(info.get("kv_bytes"), int) else None
         slot.change(slots.RUNNING, "ready", pid=child.pid, weights_source=info.get("weights_source"),
                     ready_ms=round((slot.ready_at - slot.launched_at) * 1e3, 1))
 
     async def _start_process(self, slot: Slot, svc: ServiceConfig, on_exit, kv: int) -> Child:
+        if svc.engine == "vllm":
+            return processes.spawn(slot.name, vllm_argv(self.config, svc, slot.port, kv), on_exit=on_exit,
+                                   env=vllm_env(self.config, svc), stdout=self.child_output, cls=TreeChild)
         if svc.command is not None:
             return processes.spawn(slot.name, external_argv(self.config, svc, slot.name, slot.port),
                                    on_exit=on_exit, stdout=self.child_output)

@@ -31,6 +31,7 @@ from failover.procs import slots
 from failover.node.bridge import NodeLauncher, NodeRouter, router_config
 from failover.node.daemon import CacheDaemon
 from failover.config.kv import standby_bytes
+from failover.node.engine_kinds import kind_of, needs_cache
 from failover.node.engines import EngineStarter
 from failover.node.kv_pools import PoolSizer
 from failover.node.run_dir import RunDir
@@ -95,8 +96,11 @@ class Supervisor:
         become_subreaper()
         asyncio.get_running_loop().add_signal_handler(signal.SIGCHLD, self._reap_orphans)
         self.engines.session = aiohttp.ClientSession()
-        self.progress(f"starting the cache daemon ({self.config.model.path}) and the zygote")
-        await asyncio.gather(self.daemon.start(), self._start_zygote())
+        if needs_cache(self.config):
+            self.progress(f"starting the cache daemon ({self.config.model.path}) and the zygote")
+            await asyncio.gather(self.daemon.start(), self._start_zygote())
+        else:  # vLLM (or command) services only: no engine of ours maps anything or forks from a zygote
+            log.info("daemon_not_needed", engines=sorted({s.engine for s in self.config.service}))
         self.coserve.open()  # batch files first: a batch that cannot write its output never starts
         launching = [slot for slot in self.slots.values() if not slot.hold]
         self.progress(f"launching {len(launching)} engine(s)")
@@ -136,7 +140,9 @@ class Supervisor:
 
     def _register(self, slot: Slot, role: str = states.STANDBY) -> None:
         """Tell the router about a ready slot (new, relaunched, or resumed in place)."""
-        self.router.register(slot.service, slot.name, slot.url, role, slot.pid)
+        svc = self.services[slot.service]
+        probe = kind_of(svc).probe_path if svc.command is None else svc.ready_path
+        self.router.register(slot.service, slot.name, slot.url, role, slot.pid, engine=svc.engine, probe_path=probe)
 
     # -- exits and relaunches --------------------------------------------------------------------
     def _exited(self, slot: Slot, child: Child) -> None:
@@ -185,7 +191,7 @@ class Supervisor:
         try:
             async for attempt in self.policy.retrying():
                 with attempt:
-                    if not self.daemon.ready:
+                    if not self.daemon.ready and needs_cache(self.config, svc):
                         self.progress(f"{slot.name}: waiting for the cache daemon to be back")
                         await self.daemon.wait_ready()
                     await self._launch(slot, "replacement")
@@ -203,7 +209,8 @@ class Supervisor:
     # -- KV pools follow the roles (failover.node.kv_pools) ---------------------------------------
     def _role_changed(self, inst, old: str, new: str, reason: str) -> None:
         slot, svc = self.slots.get(inst.name), self.services.get(inst.service)
-        if slot is None or svc is None or svc.kind != "online" or svc.command is not None or self.stopping:
+        if slot is None or svc is None or svc.kind != "online" or svc.command is not None or self.stopping \
+                or not kind_of(svc).resizable_kv:
             return
         if new == states.PRIMARY and (slot.kv_bytes or 0) < svc.kv_memory_bytes:
             self.kv_grown.pop(inst.name, None)

@@ -73,6 +73,14 @@ class Child:
         self.returncode = reap(self.pid)
         if self.popen is not None:  # keeps Popen from waiting on (or warning about) a reaped pid
             self.popen.returncode = self.returncode
+        self._leader_exited()
+
+    def _leader_exited(self) -> None:
+        """The process itself is gone (reaped); a process tree waits for the rest of it here
+        (failover.procs.tree), then calls ``_finish``."""
+        self._finish()
+
+    def _finish(self) -> None:
         self.exited_at = time.monotonic()
         self._done.set_result(self.returncode)
         log.info("process_exited", process_name=self.name, pid=self.pid, returncode=self.returncode,
@@ -144,8 +152,9 @@ def reap_orphans() -> list[int]:
 
 def spawn(name: str, args: list[str], *, on_exit: Callable[[Child], None] | None = None,
           env: dict[str, str] | None = None, stdout=None, stderr=None,
-          deathsig: int = signal.SIGKILL, pass_fds: tuple[int, ...] = ()) -> Child:
-    """Start ``args`` as a named child in its own session, with PR_SET_PDEATHSIG."""
+          deathsig: int = signal.SIGKILL, pass_fds: tuple[int, ...] = (), cls: type[Child] = Child) -> Child:
+    """Start ``args`` as a named child in its own session, with PR_SET_PDEATHSIG (``cls``: a
+    ``failover.procs.tree.TreeChild`` watches the whole process group)."""
 
     def preexec() -> None:  # runs in the child between fork and exec
         die_with_parent(deathsig)
@@ -155,11 +164,11 @@ def spawn(name: str, args: list[str], *, on_exit: Callable[[Child], None] | None
                              start_new_session=True, preexec_fn=preexec, close_fds=True,
                              pass_fds=pass_fds)
     log.info("process_started", process_name=name, pid=popen.pid, argv=" ".join(args[:6]))
-    return watch(name, popen.pid, popen=popen, on_exit=on_exit)
+    return watch(name, popen.pid, popen=popen, on_exit=on_exit, cls=cls)
 
 
 def watch(name: str, pid: int, *, popen: subprocess.Popen | None = None,
-          on_exit: Callable[[Child], None] | None = None) -> Child:
+          on_exit: Callable[[Child], None] | None = None, cls: type[Child] = Child) -> Child:
     _WATCHED.add(pid)
 
     def forget(child: Child) -> None:
@@ -167,7 +176,7 @@ def watch(name: str, pid: int, *, popen: subprocess.Popen | None = None,
         if on_exit is not None:
             on_exit(child)
 
-    return Child(name, pid, popen=popen, on_exit=forget)
+    return cls(name, pid, popen=popen, on_exit=forget)
 
 
 async def wait_ready_file(path: Path, child: Child, timeout: float,

@@ -1,0 +1,197 @@
+"""A managed engine that is a process tree (vLLM: API server, ``VLLM::EngineCore``, ``VLLM::Worker``,
+multiprocessing's resource tracker), watched and ended as one unit.
+
+The leader is started in its own session (``spawn``: ``start_new_session``), so its process group id
+is its pid and every child it starts inherits that group unless it calls setsid itself. A
+``TreeChild`` is a ``Child`` whose SIGKILL reaches the whole group (SIGTERM goes to the leader,
+which shuts its children down in order), and whose exit is the exit of the *last* process of the
+group:
+
+- the leader's pidfd turns readable (a crash, ``kill -9``, a stop): every process left in the group
+  gets SIGKILL at once (the unit is dead, a headless EngineCore must not keep the memory), except
+  multiprocessing's resource tracker: once the others are gone it reads EOF and unlinks every
+  semaphore and shared-memory segment they registered (also those of processes that exited long
+  ago, which nothing maps any more), then exits; it is killed too after ``TRACKER_GRACE``;
+- the group is polled through /proc until no live (non-zombie) process is left in it; the members
+  are re-parented to the supervisor (a child subreaper) and reaped by its SIGCHLD handler;
+- the POSIX shared-memory files the tree had mapped (``/dev/shm/psm_*`` from multiprocessing's
+  ``SharedMemory``, ``/dev/shm/sem.mp-*`` named semaphores) are unlinked: a killed tree never does
+  it itself (about 400 MB for a small vLLM model on CPU). They are found in each member's
+  ``/proc/PID/maps``: recorded whenever the tree is scanned (``scan()``, at ready) and once more at
+  the leader's exit, with the survivors stopped (SIGSTOP) so they cannot map or unlink anything in
+  between;
+- only then does the ``Child`` count as exited (``alive`` False, ``wait()`` returns, ``on_exit``
+  runs): the slot's memory is free, a relaunch may start.
+
+A process group id cannot be reused while any member (zombies too) exists, so a ``killpg`` sent
+while the last scan found members cannot reach another group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import structlog
+
+from failover.procs.child import Child
+
+log = structlog.get_logger(__name__)
+
+SHM_DIR = "/dev/shm/"
+GROUP_GONE_TIMEOUT = 10.0  # SIGKILLed processes leave in milliseconds; one in D state may take longer
+TRACKER_GRACE = 3.0  # for multiprocessing's resource tracker to clean up after the others
+POLL = 0.005
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes whose process group is ``pgid``, from /proc/PID/stat."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        # fields[0] is the state, fields[2] the process group (stat(5): fields 3 and 5)
+        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            found.append(int(entry))
+    return found
+
+
+def is_tracker(pid: int) -> bool:
+    """Whether ``pid`` is multiprocessing's resource tracker (it cleans up after its peers)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
+def mapped_shm(pid: int) -> set[str]:
+    """The /dev/shm files process ``pid`` maps or holds open."""
+    paths: set[str] = set()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                i = line.find(SHM_DIR)
+                if i >= 0:
+                    paths.add(line[i:].rstrip("\n").removesuffix(" (deleted)"))
+    except OSError:
+        pass
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(SHM_DIR):
+                paths.add(target.removesuffix(" (deleted)"))
+    except OSError:
+        pass
+    return paths
+
+
+class TreeChild(Child):
+    """A process group led by ``pid``, as one Child (see the module docstring)."""
+
+    def __init__(self, name: str, pid: int, **kwargs) -> None:
+        self.pgid = pid
+        self.shm: set[str] = set()
+        self.leader_exited_at: float | None = None
+        self.members_killed = 0
+        self.shm_removed: list[str] = []
+        super().__init__(name, pid, **kwargs)
+
+    def send(self, sig: int) -> None:
+        """SIGTERM/SIGINT to the leader, which stops its own children in order (vLLM's shutdown;
+        whatever is left when it exits is killed then); SIGKILL to every process of the group but
+        the resource tracker, which cleans up after the others (see the module docstring); any
+        other signal (SIGSTOP, SIGCONT) to the whole group."""
+        if not self.alive:
+            return
+        if sig == signal.SIGKILL:
+            self._kill_members()
+            return
+        if self.leader_exited_at is not None:
+            return  # the leader is reaped (its pid may be reused); the rest is being killed
+        try:
+            if sig in (signal.SIGTERM, signal.SIGINT):
+                os.kill(self.pid, sig)
+            else:
+                os.killpg(self.pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _kill_members(self) -> int:
+        """Stop every process of the group but the tracker, note the files they map, kill them."""
+        members = [p for p in group_members(self.pgid) if not is_tracker(p)]
+        _kill(members, signal.SIGSTOP)  # nothing maps, forks or unlinks while we look
+        for pid in members:
+            self.shm |= mapped_shm(pid)
+        _kill(members, signal.SIGKILL)
+        return len(members)
+
+    def scan(self) -> None:
+        """Record the shared-memory files the tree maps now (cheap: /proc of its few members)."""
+        for pid in group_members(self.pgid):
+            self.shm |= mapped_shm(pid)
+
+    def _leader_exited(self) -> None:
+        """The leader is gone: stop the survivors, note what they map, kill them, wait, clean up."""
+        self.leader_exited_at = time.monotonic()
+        self.members_killed = self._kill_members()
+        self._loop.create_task(self._reap_group(), name=f"tree-{self.name}")
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    async def _reap_group(self) -> None:
+        now = time.monotonic()
+        grace, deadline = now + TRACKER_GRACE, now + GROUP_GONE_TIMEOUT
+        while (left := group_members(self.pgid)) and time.monotonic() < deadline:
+            if time.monotonic() > grace:
+                self._signal_group(signal.SIGKILL)
+            else:  # the tracker may finish its cleanup; anything else (a late fork) dies now
+                _kill([p for p in left if not is_tracker(p)], signal.SIGKILL)
+            await asyncio.sleep(POLL)
+        if left:
+            log.error("process_tree_not_gone", process_name=self.name, pgid=self.pgid, pids=left,
+                      hint="a process of the tree is stuck in the kernel (D state); its memory is not free yet")
+        self.shm_removed = remove_shm(self.shm)
+        assert self.leader_exited_at is not None
+        log.info("process_tree_gone", process_name=self.name, pgid=self.pgid, members_killed=self.members_killed,
+                 shm_removed=len(self.shm_removed), after_leader_ms=round((time.monotonic() - self.leader_exited_at) * 1e3, 1))
+        self._finish()
+
+
+def _kill(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def remove_shm(paths: set[str]) -> list[str]:
+    """Unlink ``paths`` (the dead tree's /dev/shm files); returns those removed."""
+    removed = []
+    for path in sorted(paths):
+        if not path.startswith(SHM_DIR) or "/" in path[len(SHM_DIR):]:
+            continue  # only plain files of /dev/shm
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            log.warning("shm_not_removed", path=path, error=str(e))
+            continue
+        removed.append(path)
+    return removed

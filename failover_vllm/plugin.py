@@ -1,0 +1,26 @@
+"""failover's vLLM general plugin (entry point group ``vllm.general_plugins``, see pyproject.toml).
+
+vLLM loads general plugins in every one of its processes: the API server, ``VLLM::EngineCore``, each
+``VLLM::Worker``. Under failover's supervisor (``FAILOVER_VLLM_DIE_WITH_PARENT=1`` in the environment
+the supervisor gives a vLLM instance, failover.node.engine_kinds.vllm_env) each of them asks the
+kernel for SIGKILL when its parent dies. vLLM's engine core does not notice its API server's death on
+its own, so without this a SIGKILLed supervisor (whose death kills the API server through its own
+PR_SET_PDEATHSIG) would leave the engine core and its workers running, holding the instance's
+memory. vLLM starts those children from its main thread, as the kernel's per-thread parent-death
+signal requires. Outside failover (the variable unset) the plugin does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from failover_common.proc import die_with_parent
+
+ENV = "FAILOVER_VLLM_DIE_WITH_PARENT"
+
+
+def register() -> None:
+    """vLLM's plugin hook; idempotent (vLLM may call it more than once per process)."""
+    if os.environ.get(ENV) == "1":
+        die_with_parent(signal.SIGKILL)

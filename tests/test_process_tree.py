@@ -1,0 +1,68 @@
+"""failover.procs.tree: a process tree watched and ended as one, and what it leaves in /dev/shm removed.
+
+The tree is real (tests/tree_child.py: multiprocessing with the spawn context, a resource tracker,
+shared-memory segments and semaphores, as vLLM's server makes them), started and watched as the
+supervisor does it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from failover.procs import child as processes
+from failover.procs.tree import TreeChild, group_members, mapped_shm
+from failover_common.proc import become_subreaper
+
+HERE = Path(__file__).resolve().parent
+
+
+def _shm() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith(("psm_", "sem.mp-"))}
+
+
+async def _start(out: Path) -> TreeChild:
+    with open(out, "wb") as f:
+        child = processes.spawn("tree", [sys.executable, str(HERE / "tree_child.py")], stdout=f, cls=TreeChild)
+    deadline = time.monotonic() + 60
+    while b"ready" not in out.read_bytes():
+        assert child.alive and time.monotonic() < deadline, out.read_text()
+        await asyncio.sleep(0.05)
+    child.scan()
+    return child
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["kill -9 of the leader", "stop (TERM, then KILL)"])
+async def test_a_process_tree_ends_as_one_and_leaves_no_shared_memory(tmp_path, how):
+    become_subreaper()  # as the supervisor: the orphaned members are re-parented to us
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGCHLD, processes.reap_orphans)
+    before = _shm()
+    try:
+        child = await _start(tmp_path / "out")
+        members = group_members(child.pid)
+        assert len(members) >= 4, members  # leader, tracker, two workers
+        mapped = set().union(*(mapped_shm(p) for p in members))
+        assert any("psm_" in f for f in mapped), mapped
+        t0 = time.monotonic()
+        if how.startswith("kill"):
+            os.kill(child.pid, signal.SIGKILL)
+            await child.wait(15)
+        else:
+            await child.stop(0.5)
+        elapsed = time.monotonic() - t0
+        assert not child.alive
+        assert group_members(child.pgid) == [], "a process of the tree outlived it"
+        assert _shm() - before == set(), f"left in /dev/shm: {_shm() - before}"
+        assert elapsed < 5.0, f"the tree took {elapsed:.1f} s to end"
+    finally:
+        loop.remove_signal_handler(signal.SIGCHLD)
+        for p in group_members(child.pgid) if "child" in locals() else []:
+            os.kill(p, signal.SIGKILL)

