@@ -1,5 +1,5 @@
-"""bench/client_figures.py: the client-seen figures every failover bench prints, on records whose
-answer is known by hand."""
+"""failover/tools/client_figures.py (bench/client_figures.py to the benches): the client-seen figures
+every failover bench and ``failover demo`` print, on records whose answer is known by hand."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO / "bench") not in sys.path:
     sys.path.insert(0, str(REPO / "bench"))
 
-from client_figures import fault_figures, one_fault, percentile, requests_summary, summarize  # noqa: E402
+import client_figures as bench_name  # noqa: E402
+from failover.tools.client_figures import fault_figures, one_fault, percentile, requests_summary, summarize  # noqa: E402
 
 
 @dataclass
@@ -83,3 +84,7 @@ def test_percentile_nearest_rank():
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile(list(range(100)), 99) == 98
     assert math.isnan(percentile([], 50))
+
+
+def test_the_benches_use_the_same_helper():
+    assert bench_name.fault_figures is fault_figures and bench_name.summarize is summarize
