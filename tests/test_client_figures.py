@@ -1,4 +1,4 @@
-"""failover/tools/client_figures.py (bench/client_figures.py to the benches): the client-seen figures
+"""failover_common/client_figures.py (bench/client_figures.py to the benches): the client-seen figures
 every failover bench and ``failover demo`` print, on records whose answer is known by hand."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ if str(REPO / "bench") not in sys.path:
     sys.path.insert(0, str(REPO / "bench"))
 
 import client_figures as bench_name  # noqa: E402
-from failover.tools.client_figures import fault_figures, one_fault, percentile, requests_summary, summarize  # noqa: E402
+from failover_common.client_figures import fault_figures, one_fault, percentile, requests_summary, summarize  # noqa: E402
 
 
 @dataclass

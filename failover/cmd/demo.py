@@ -5,7 +5,7 @@ standby and the router (the same Supervisor that ``failover up`` runs), sends tr
 primary (``--faults N``: N times, each once the node is whole again), and prints a timeline plus one
 ``key=value`` line per figure (for scripts), then shuts down and checks that nothing was left behind.
 Exit 0 when no request failed and the node ended clean. The figures are first the clients' own, from
-the kill (failover.tools.client_figures: first token to any client, the worst in-flight client's wait
+the kill (failover_common.client_figures: first token to any client, the worst in-flight client's wait
 for its next token, the longest stall inside a stream; p50/p99/max over the faults), then the
 router's record beside them.
 """
@@ -27,7 +27,7 @@ import aiohttp
 
 from failover_common.logs import configure_logging
 from failover.config.schema import parse_config
-from failover.tools.client_figures import fault_figures, line, requests_summary, summarize
+from failover_common.client_figures import fault_figures, line, requests_summary, summarize
 from failover_common.ports import free_ports
 
 
@@ -38,7 +38,7 @@ def free_port_pair() -> int:
 
 @dataclass(slots=True)
 class Request:
-    """One request as its client saw it (a failover.tools.client_figures record)."""
+    """One request as its client saw it (a failover_common.client_figures record)."""
     start: float
     stream: bool
     end: float = 0.0
