@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines import EngineProc, free_port  # noqa: E402
-from client_figures import fault_figures, line as client_line, summarize  # noqa: E402
+from client_figures import fault_figures, line as client_line, stall_span, summarize  # noqa: E402
 from cpu_share import CpuSampler  # noqa: E402
 from loadgen import Load, percentile, summary  # noqa: E402
 
@@ -72,6 +72,7 @@ class BenchLauncher:
         self.replace_delay = replace_delay
         self.router = None
         self.engines: dict[str, EngineProc] = {}
+        self.replacements: list[float] = []  # when each replacement standby's start began (monotonic)
 
     def start(self) -> EngineProc:
         e = EngineProc(self.model, log_dir=self.logs)
@@ -95,6 +96,7 @@ class BenchLauncher:
         # On 2 CPU cores a starting engine (torch import, weights) competes with the new primary;
         # --replace-delay keeps that cost out of the failover window, to see the router's own part.
         await asyncio.sleep(self.replace_delay)
+        self.replacements.append(time.monotonic())
         e = self.start()
         await e.wait_ready()
         self.register(e, "standby")
@@ -162,7 +164,7 @@ async def fault_phase(model: Path, logs: Path, args: argparse.Namespace, sig: in
         stop.set()
         await asyncio.gather(runner, sampler)
         result = summary(load.outcomes, faults, time.monotonic() - t_start)
-        result["per_fault"] = per_fault(load.outcomes, faults, cpu, args.cpu_window)
+        result["per_fault"] = per_fault(load.outcomes, faults, cpu, args.cpu_window, launcher.replacements)
         quiet = [f for f in faults if (cpu.window(f - args.cpu_window, f + args.cpu_window)["others"] or 0.0)
                  < args.quiet_cores]
         result["quiet"] = summarize(fault_figures(load.outcomes, quiet)) | {"cores": args.quiet_cores}
@@ -185,17 +187,23 @@ async def fault_phase(model: Path, logs: Path, args: argparse.Namespace, sig: in
     return result
 
 
-def per_fault(outcomes, faults: list[float], cpu: CpuSampler, window: float) -> list[str]:
-    """One line per fault: what the clients saw, and who had the CPU from ``window`` s before the
+def per_fault(outcomes, faults: list[float], cpu: CpuSampler, window: float, starts: list[float]) -> list[str]:
+    """One line per fault: what the clients saw, where the longest stream stall lay and when the
+    replacement's start began (ms from the fault), and who had the CPU from ``window`` s before the
     fault to ``window`` s after (this bench's processes vs the rest of the machine)."""
     rows = []
     for i, f in enumerate(fault_figures(outcomes, faults)):
         c = cpu.window(f.fault - window, f.fault + window)
+        spans = [stall_span(o, f.fault) for o in outcomes if o.stream and o.start <= f.fault < o.end]
+        a, b = max(spans, key=lambda ab: ab[1] - ab[0], default=(f.fault, f.fault))
+        start = min((t for t in starts if t > f.fault), default=None)
         def ms(v):
             return "-" if v is None else f"{v:6.1f}"
         rows.append(f"  fault {i + 1:2d}: first token {ms(f.first_token_ms)} ms, worst wait {ms(f.worst_wait_ms)} ms, "
-                    f"stream stall {ms(f.longest_stall_ms)} ms, failed {f.failed}/{f.inflight}; cores used "
-                    f"+-{window:g} s: this bench {c['ours']}, other processes {c['others']}")
+                    f"stream stall {ms(f.longest_stall_ms)} ms (+{(a - f.fault) * 1e3:.0f}..+{(b - f.fault) * 1e3:.0f}), "
+                    f"replacement started +{ms(None if start is None else (start - f.fault) * 1e3).strip()}, "
+                    f"failed {f.failed}/{f.inflight}; cores used +-{window:g} s: this bench {c['ours']}, "
+                    f"other processes {c['others']}")
     return rows
 
 

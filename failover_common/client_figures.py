@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from typing import Protocol
 
 __all__ = ["FaultFigures", "Record", "as_dicts", "fault_figures", "line", "one_fault", "percentile", "progress",
-           "requests_summary", "summarize"]
+           "requests_summary", "stall_span", "summarize"]
 
 
 class Record(Protocol):
@@ -76,11 +76,17 @@ def _next_after(times: Iterable[float], t: float) -> float | None:
     return min((x for x in times if x > t), default=None)
 
 
-def _stall(r: Record, fault: float) -> float:
-    """The longest gap between consecutive events of stream ``r`` from its last event at/before ``fault``."""
+def stall_span(r: Record, fault: float) -> tuple[float, float]:
+    """The longest gap (from, to) between consecutive events of stream ``r`` from its last event
+    at/before ``fault`` on: where the pause a reader of that stream saw lies."""
     events = [r.start, *sorted(r.tokens), r.end]
     first = max(i for i, t in enumerate(events) if t <= fault)
-    return max(b - a for a, b in zip(events[first:], events[first + 1:]))
+    return max(zip(events[first:], events[first + 1:]), key=lambda ab: ab[1] - ab[0])
+
+
+def _stall(r: Record, fault: float) -> float:
+    a, b = stall_span(r, fault)
+    return b - a
 
 
 def one_fault(records: Sequence[Record], fault: float) -> FaultFigures:

@@ -15,7 +15,8 @@ if str(REPO / "bench") not in sys.path:
     sys.path.insert(0, str(REPO / "bench"))
 
 import client_figures as bench_name  # noqa: E402
-from failover_common.client_figures import fault_figures, one_fault, percentile, requests_summary, summarize  # noqa: E402
+from failover_common.client_figures import (fault_figures, one_fault, percentile, requests_summary,  # noqa: E402
+                                            stall_span, summarize)
 
 
 @dataclass
@@ -39,6 +40,7 @@ def test_one_crash_of_two_streams_and_a_request():
     assert f.first_token_ms == pytest.approx(400.0)  # b's first token at 10.4
     assert f.worst_wait_ms == pytest.approx(800.0)  # a waited 10.0 -> 10.8
     assert f.longest_stall_ms == pytest.approx(1300.0)  # a: 9.5 -> 10.8 (b: 9.9 -> 10.4 = 500)
+    assert stall_span(records[0], 10.0) == (9.5, 10.8)
     assert (f.inflight, f.failed) == (3, 0)
 
 

@@ -213,7 +213,7 @@ async def kill_primary(sup, config, tl: Timeline, *, verbose: bool) -> tuple[flo
     if verbose:
         tl.at(kill_at, f"kill -9 {victim.name} (pid {slot.child.pid}), the primary")
     await _until(lambda: not slot.child.alive, 10)
-    new_primary = router.services["chat"].primary
+    new_primary, switch_seen = router.services["chat"].primary, time.monotonic()
     await _until(lambda: router.promoter.last_failover.get("chat") is not before, 20)
     fo = router.promoter.last_failover["chat"]
     await _until(lambda: slot.state == "running" and slot.last_relaunch_s is not None
@@ -221,7 +221,7 @@ async def kill_primary(sup, config, tl: Timeline, *, verbose: bool) -> tuple[flo
     await _until(lambda: any(i.ready for i in router.services["chat"].standbys()), 20)
     if verbose:
         tl.at(slot.evicted_at, f"supervisor sees the exit (pidfd): {(slot.evicted_at - kill_at) * 1e3:.1f} ms after the kill")
-        tl.now(f"router switched to {new_primary.name if new_primary else '?'}")
+        tl.at(switch_seen, f"router switched to {new_primary.name if new_primary else '?'}")
         tl.at(kill_at + (fo["at"] - kill_wall), f"first good answer from {fo['new']}: blackout "
               f"{fo['blackout_ms']:.1f} ms (old primary's last good answer to the new one's first)")
         tl.at(slot.ready_at, f"{victim.name} relaunched through the {config.supervisor.launch} and ready as standby "

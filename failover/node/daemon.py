@@ -99,18 +99,24 @@ class CacheDaemon:
         """True when the daemon answers Hello and Status on its socket within ``timeout`` s each
         (blocking socket calls, so off the event loop). An answer without the node's model starts
         its reload (:meth:`_model_lost`); the daemon is alive all the same."""
-        try:
-            st = await asyncio.to_thread(client.status, self.config.daemon_socket, timeout=timeout)
-        except (CacheError, OSError):
-            return False
-        missing = self.model_keys - {m.key for m in st.models}
-        if missing and not st.loading and self.ready:
-            self._model_lost(missing, st.pid)
-        return True
+        return (await self._check(timeout)) is not None
 
     async def healthy(self, timeout: float) -> bool:
         """Ready, answering, and holding the node's model: a launch that failed now is not its fault."""
-        return self.ready and await self.ping(timeout) and self.ready
+        return self.ready and await self._check(timeout) is True and self.ready
+
+    async def _check(self, timeout: float) -> bool | None:
+        """None: no answer; else whether the daemon holds every rank of the node's model."""
+        try:
+            st = await asyncio.to_thread(client.status, self.config.daemon_socket, timeout=timeout)
+        except (CacheError, OSError):
+            return None
+        missing = self.model_keys - {m.key for m in st.models}
+        if not missing:
+            self._lost = frozenset()
+        elif not st.loading and self.ready:
+            self._model_lost(missing, st.pid)
+        return not missing
 
     async def excuses(self, generation: int, failure: str) -> bool:
         """Is the daemon to blame for ``failure``, a launch begun at ``generation`` that failed?
