@@ -5,7 +5,8 @@ ready ones with the in-process router, and from then on reacts: an engine's exit
 the instant its pidfd turns readable (``router.instance_exited``), and the slot is relaunched (the one
 relaunch trigger, always through the restart policy), mapped from the same resident weights, and
 registered again as a standby. A hung engine the router fences ends the same way: its exit is a
-failure, counted like a crash, so an engine that keeps hanging backs off and ends in ``failed``. The
+failure, counted like a crash, so an engine that keeps hanging backs off and ends in ``failed``; so
+is a replacement that fails to start, unless the cache daemon was to blame (``CacheDaemon.excuses``). The
 router asks for fencing and operator preemptions through ``failover.node.bridge.NodeLauncher``.
 
 Ownership: the supervisor is a child subreaper; it owns (and reaps) every process of the node, and
