@@ -119,7 +119,8 @@ async def fault_phase(model: Path, logs: Path, args: argparse.Namespace, sig: in
     from router.config import RouterConfig
 
     launcher = BenchLauncher(model, logs, exit_notice=args.exit_notice, replace_delay=args.replace_delay)
-    router = Router(RouterConfig(port=free_port()), launcher)
+    router = Router(RouterConfig(port=free_port(), probe_interval=args.probe_interval,
+                                 probe_timeout=args.probe_timeout), launcher)
     launcher.router = router
     first = [launcher.start() for _ in range(2)]
     await asyncio.gather(*(e.wait_ready() for e in first))
@@ -309,7 +310,8 @@ async def main_async(args: argparse.Namespace) -> int:
     print(f"# load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (other work on this machine "
           "shares its cores)")
     print(f"# kills={args.kills} hangs={args.hangs} concurrency={args.concurrency} max_tokens={args.max_tokens} "
-          f"settle={args.settle}s replace_delay={args.replace_delay}s exit_notice={args.exit_notice} probe=0.1s/0.25s x2 (router defaults)", flush=True)
+          f"settle={args.settle}s replace_delay={args.replace_delay}s exit_notice={args.exit_notice} "
+          f"probe={args.probe_interval}s/{args.probe_timeout}s x2 (router defaults: 0.1s/0.25s)", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-failover-") as tmp:
         tmp = Path(tmp)
         model = write_checkpoint(tmp / "model", TinySpec())
@@ -344,6 +346,8 @@ def main() -> int:
     p.add_argument("--overhead-n", type=int, default=300, help="sequential requests per side (0: skip)")
     p.add_argument("--rps-seconds", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--probe-interval", type=float, default=0.1, help="the router's (default: its default)")
+    p.add_argument("--probe-timeout", type=float, default=0.25, help="the router's (default: its default)")
     p.add_argument("--cpu-window", type=float, default=0.5,
                    help="seconds each side of a fault over which the per-fault CPU use is given")
     p.add_argument("--quiet-cores", type=float, default=0.2, help="a fault is 'quiet' when the machine's other "
