@@ -109,7 +109,8 @@ class Timeline:
         self.held.clear()
 
 
-def node_config(workdir: Path, model: Path, launch: str) -> dict:
+def node_config(workdir: Path, model: Path, launch: str, *, kills: int = 1) -> dict:
+    """The demo node; ``kills``: the drill's kill -9s, which are not a crash loop (the limit is raised)."""
     router_port = free_port_pair()
     engine_port = free_port_pair()
     while engine_port in (router_port, router_port + 1) or engine_port + 1 == router_port:
@@ -118,7 +119,8 @@ def node_config(workdir: Path, model: Path, launch: str) -> dict:
         "run_dir": str(workdir / "run"),
         "model": {"path": str(model), "dtype": "float32", "device": "cpu"},
         "router": {"port": router_port, "probe_interval": 0.2, "probe_timeout": 1.0, "probe_threshold": 2},
-        "supervisor": {"launch": launch, "log_level": "warning", "stop_timeout": 5.0, "drain_timeout": 5.0},
+        "supervisor": {"launch": launch, "log_level": "warning", "stop_timeout": 5.0, "drain_timeout": 5.0,
+                       "crash_loop_exits": max(5, kills + 5)},
         "service": [{"name": "chat", "standbys": 1, "kv_memory": "16MiB", "max_batch": 8, "port": engine_port}],
     }
 
@@ -130,7 +132,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> int:
     tl = Timeline()
     model = write_checkpoint(workdir / "model", TinySpec(layers=2, hidden=64))
     tl.now(f"tiny model written to {model}")
-    config = parse_config(node_config(workdir, model, args.launch), source="demo")
+    config = parse_config(node_config(workdir, model, args.launch, kills=args.faults), source="demo")
     log_file = open(workdir / "node.log", "wb")
     sup = Supervisor(config, child_output=log_file)
     try:
