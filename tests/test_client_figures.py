@@ -12,7 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO / "bench") not in sys.path:
-    sys.path.insert(0, str(REPO / "bench"))
+    sys.path.append(str(REPO / "bench"))  # last: bench/engine.py and bench/failover.py must not shadow the packages
 
 import client_figures as bench_name  # noqa: E402
 from failover_common.client_figures import (fault_figures, one_fault, percentile, requests_summary,  # noqa: E402
