@@ -114,9 +114,10 @@ def node_config(a, run: Path, model: Path, batch_in: Path | None):
     return parse_config({
         "run_dir": str(run), "model": {"path": str(model), "dtype": a.dtype, "device": a.device, "tp": 1},
         "router": {"port": rport, "probe_interval": 0.1, "probe_timeout": 0.25},
-        # the bench's kills are not a crash loop: the limit is raised above --faults
+        # the bench's kills, spaced by --settle, are independent faults, not a crash loop: the window
+        # is shorter than their spacing, so each replacement starts at once instead of backing off
         "supervisor": {"launch": "zygote", "log_level": "info", "ready_timeout": 900.0,
-                       "crash_loop_exits": a.faults + 5,
+                       **({"crash_loop_window": 0.5} if a.faults > 1 else {}),
                        "daemon_ready_timeout": 1800.0},
         "service": services,
     }, source="gpu-e2e")
