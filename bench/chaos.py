@@ -1,6 +1,7 @@
 """Chaos soak: a whole node (``failover up``) under mixed load while a seeded schedule breaks it.
 
     python3 bench/chaos.py --duration 600 --fault-rate 12 --seed 1 --json chaos.json
+    python3 bench/chaos.py --duration 300 --only kill:primary,freeze:primary --min-primary-faults 20
 
 The node is a real ``failover up`` process (a generated tiny model, a generated config, a private run
 dir). Load: bench/loadgen.Load's raw aiohttp clients and official-``openai``-SDK clients, completions
@@ -57,6 +58,7 @@ class Options:
     keep: bool = False
     only: tuple[str, ...] = ()  # restrict the fault kinds (debugging one class of fault)
     min_faults: int = 0  # go on past the duration (up to twice it) until this many faults were injected
+    min_primary_faults: int = 0  # ... and this many of them hit the primary (the client figures' p99)
 
 
 def batch_supported() -> bool:
@@ -190,8 +192,9 @@ class Soak:
         while True:
             next_at += schedule.gap()
             kind = schedule.kind()
-            if next_at >= until and (len(self.faults) >= self.opts.min_faults
-                                     or next_at >= until + self.opts.duration):
+            primary = sum(1 for f in self.faults if f.target == "primary")
+            enough = len(self.faults) >= self.opts.min_faults and primary >= self.opts.min_primary_faults
+            if next_at >= until and (enough or next_at >= until + self.opts.duration):
                 return
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             fault = await self.inject(kind, schedule)
@@ -320,6 +323,9 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--warmup", type=float, default=3.0, help="calm seconds before the first fault")
     p.add_argument("--min-faults", type=int, default=0,
                    help="go on past --duration (at most twice it) until this many faults were injected")
+    p.add_argument("--min-primary-faults", type=int, default=0,
+                   help="go on past --duration (at most twice it) until this many faults hit the primary "
+                   "(20: the client figures' p50/p99/max over 20 faults)")
     p.add_argument("--keep", action="store_true", help="keep the work dir (model, config, node.log)")
     p.add_argument("--only", default="", help="comma-separated fault kinds, e.g. kill:daemon,freeze:primary "
                    f"(default: all of {', '.join(cf.KINDS + cf.BATCH_KINDS)})")

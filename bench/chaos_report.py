@@ -96,7 +96,9 @@ def build(s, load, sdk, quitters, m0: dict, m1: dict, quiesce: dict, elapsed: fl
                      "max_ms": round(max(bo) * 1e3, 1) if bo else None,
                      "router_ms": [f.detail["router"]["blackout_ms"] if "router" in f.detail else None for f in primary],
                      "longest_stream_stall_ms": round(max((o.max_gap for o in streams), default=0.0) * 1e3, 1),
-                     "client": summarize(per_fault)},
+                     "client": summarize(per_fault),
+                     "client_by_kind": {k: summarize(fault_figures(records, [f.at for f in primary if f.kind == k]))
+                                        for k in sorted({f.kind for f in primary})}},
         "faults": {"injected": len(s.faults), "skipped": s.skipped, "by_kind": dict(sorted(kinds.items())),
                    "batch": "on" if use_batch else "off",
                    "problems": [f"{f.kind} t={f.at - s.t0:.1f}s: {p}" for f in s.faults for p in f.problems],
@@ -135,6 +137,7 @@ def render(r: dict) -> str:
                  f"max={bo['max_ms']}ms longest_stream_stall={bo['longest_stream_stall_ms']}ms")
     lines.append(f"  all (client side, fault -> first token or answer): {bo['per_primary_fault_ms']}")
     lines.append("  " + client_line("primary faults", bo["client"]))
+    lines += ["  " + client_line(kind, c) for kind, c in bo.get("client_by_kind", {}).items()]
     lines.append(f"  router's record (last good of old -> first good of new; None: no failover, the freeze "
                  f"ended before detection): {bo['router_ms']}")
     lines.append(f"faults: injected={fa['injected']} skipped={len(fa['skipped'])} batch={fa['batch']}")

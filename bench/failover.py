@@ -13,6 +13,9 @@ load settle, then kill -9s the primary. ``--no-exit-notice`` leaves detection to
 active probe can see it. Overhead phase: a standalone ``failover router`` process in front of one
 engine, direct vs through it, sequential latency and closed-loop requests/s.
 
+Per fault, beside those figures: the cores this bench's processes (router, clients, engines) and
+all other processes used around it (bench/cpu_share.py), to tell a stall of ours from a shared box.
+
 Blackout, client side (bench/client_figures.py, from each request's own timestamps): per fault, the
 fault to the first token or answer any client received after it, the worst in-flight client's wait
 for its next token, and the longest stall inside a stream in flight at the fault; p50/p99/max over
@@ -42,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines import EngineProc, free_port  # noqa: E402
-from client_figures import line as client_line  # noqa: E402
+from client_figures import fault_figures, line as client_line, stall_span, summarize  # noqa: E402
+from cpu_share import CpuSampler  # noqa: E402
 from loadgen import Load, percentile, summary  # noqa: E402
 
 SERVICE = "default"
@@ -68,6 +72,7 @@ class BenchLauncher:
         self.replace_delay = replace_delay
         self.router = None
         self.engines: dict[str, EngineProc] = {}
+        self.replacements: list[float] = []  # when each replacement standby's start began (monotonic)
 
     def start(self) -> EngineProc:
         e = EngineProc(self.model, log_dir=self.logs)
@@ -91,6 +96,7 @@ class BenchLauncher:
         # On 2 CPU cores a starting engine (torch import, weights) competes with the new primary;
         # --replace-delay keeps that cost out of the failover window, to see the router's own part.
         await asyncio.sleep(self.replace_delay)
+        self.replacements.append(time.monotonic())
         e = self.start()
         await e.wait_ready()
         self.register(e, "standby")
@@ -113,7 +119,8 @@ async def fault_phase(model: Path, logs: Path, args: argparse.Namespace, sig: in
     from router.config import RouterConfig
 
     launcher = BenchLauncher(model, logs, exit_notice=args.exit_notice, replace_delay=args.replace_delay)
-    router = Router(RouterConfig(port=free_port()), launcher)
+    router = Router(RouterConfig(port=free_port(), probe_interval=args.probe_interval,
+                                 probe_timeout=args.probe_timeout), launcher)
     launcher.router = router
     first = [launcher.start() for _ in range(2)]
     await asyncio.gather(*(e.wait_ready() for e in first))
@@ -128,6 +135,8 @@ async def fault_phase(model: Path, logs: Path, args: argparse.Namespace, sig: in
             await load.learn_expected(s)
         stop = asyncio.Event()
         runner = asyncio.create_task(load.run(args.concurrency, stop))
+        cpu = CpuSampler(lambda: [os.getpid(), *(e.pid for e in launcher.engines.values())])
+        sampler = asyncio.create_task(cpu.run(stop))
         t_start = time.monotonic()
         for i in range(rounds):
             while svc.routable() is None or launcher_pending(svc):
@@ -154,8 +163,12 @@ async def fault_phase(model: Path, logs: Path, args: argparse.Namespace, sig: in
                   f"blackout={rec['blackout_ms']:6.1f} ms", flush=True)
         await asyncio.sleep(args.settle)
         stop.set()
-        await runner
+        await asyncio.gather(runner, sampler)
         result = summary(load.outcomes, faults, time.monotonic() - t_start)
+        result["per_fault"] = per_fault(load.outcomes, faults, cpu, args.cpu_window, launcher.replacements)
+        quiet = [f for f in faults if (cpu.window(f - args.cpu_window, f + args.cpu_window)["others"] or 0.0)
+                 < args.quiet_cores]
+        result["quiet"] = summarize(fault_figures(load.outcomes, quiet)) | {"cores": args.quiet_cores}
         if args.dump:
             dump = {"faults": faults, "router": records, "outcomes": [dataclasses.asdict(o) for o in load.outcomes]}
             Path(f"{args.dump}.{signal.Signals(sig).name}.json").write_text(json.dumps(dump))
@@ -173,6 +186,26 @@ async def fault_phase(model: Path, logs: Path, args: argparse.Namespace, sig: in
                "migrated_streams": int(m.migrations.labels(SERVICE)._value.get()),
                "retried_requests": int(m.retries.labels(SERVICE)._value.get())}
     return result
+
+
+def per_fault(outcomes, faults: list[float], cpu: CpuSampler, window: float, starts: list[float]) -> list[str]:
+    """One line per fault: what the clients saw, where the longest stream stall lay and when the
+    replacement's start began (ms from the fault), and who had the CPU from ``window`` s before the
+    fault to ``window`` s after (this bench's processes vs the rest of the machine)."""
+    rows = []
+    for i, f in enumerate(fault_figures(outcomes, faults)):
+        c = cpu.window(f.fault - window, f.fault + window)
+        spans = [stall_span(o, f.fault) for o in outcomes if o.stream and o.start <= f.fault < o.end]
+        a, b = max(spans, key=lambda ab: ab[1] - ab[0], default=(f.fault, f.fault))
+        start = min((t for t in starts if t > f.fault), default=None)
+        def ms(v):
+            return "-" if v is None else f"{v:6.1f}"
+        rows.append(f"  fault {i + 1:2d}: first token {ms(f.first_token_ms)} ms, worst wait {ms(f.worst_wait_ms)} ms, "
+                    f"stream stall {ms(f.longest_stall_ms)} ms (+{(a - f.fault) * 1e3:.0f}..+{(b - f.fault) * 1e3:.0f}), "
+                    f"replacement started +{ms(None if start is None else (start - f.fault) * 1e3).strip()}, "
+                    f"failed {f.failed}/{f.inflight}; cores used +-{window:g} s: this bench {c['ours']}, "
+                    f"other processes {c['others']}")
+    return rows
 
 
 def launcher_pending(svc) -> bool:
@@ -260,6 +293,8 @@ def report(name: str, r: dict) -> None:
           f"fault -> first good response of the new primary p50={r['recover_p50_ms']} ms "
           f"p99={r['recover_p99_ms']} ms")
     print(client_line(name, r["client"]))
+    print("\n".join(r["per_fault"]))
+    print(client_line(f"{name}, only the faults where other processes used < {r['quiet']['cores']:g} cores", r["quiet"]))
     print(f"{name}: longest stall inside any stream of the run={r['longest_stream_stall_ms']} ms; "
           f"latency p50={r['latency_p50_ms']} ms p99={r['latency_p99_ms']} ms")
     if r["failed_by_cause"]:
@@ -275,7 +310,8 @@ async def main_async(args: argparse.Namespace) -> int:
     print(f"# load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (other work on this machine "
           "shares its cores)")
     print(f"# kills={args.kills} hangs={args.hangs} concurrency={args.concurrency} max_tokens={args.max_tokens} "
-          f"settle={args.settle}s replace_delay={args.replace_delay}s exit_notice={args.exit_notice} probe=0.1s/0.25s x2 (router defaults)", flush=True)
+          f"settle={args.settle}s replace_delay={args.replace_delay}s exit_notice={args.exit_notice} "
+          f"probe={args.probe_interval}s/{args.probe_timeout}s x2 (router defaults: 0.1s/0.25s)", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-failover-") as tmp:
         tmp = Path(tmp)
         model = write_checkpoint(tmp / "model", TinySpec())
@@ -310,6 +346,12 @@ def main() -> int:
     p.add_argument("--overhead-n", type=int, default=300, help="sequential requests per side (0: skip)")
     p.add_argument("--rps-seconds", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--probe-interval", type=float, default=0.1, help="the router's (default: its default)")
+    p.add_argument("--probe-timeout", type=float, default=0.25, help="the router's (default: its default)")
+    p.add_argument("--cpu-window", type=float, default=0.5,
+                   help="seconds each side of a fault over which the per-fault CPU use is given")
+    p.add_argument("--quiet-cores", type=float, default=0.2, help="a fault is 'quiet' when the machine's other "
+                   "processes used fewer cores than this around it (the figures are printed for those too)")
     p.add_argument("--dump", metavar="PREFIX", help="write faults, the router's records and every client "
                    "record to PREFIX.SIGKILL.json / PREFIX.SIGSTOP.json")
     return asyncio.run(main_async(p.parse_args()))

@@ -10,6 +10,14 @@ daemon load time and GB/s; each engine's attach time; device memory of primary +
 must be counted once); crash failover blackout under load; zygote relaunch to ready; batch
 preemption (trigger to process gone and its pid off the GPU); and the write fault of a read-only
 mapping (the writer dies, the resident bytes do not change). Prints one report of key=value lines.
+
+    python3 bench/gpu_e2e.py --layers 32 --batch-items 0 --faults 20   # 20 kill -9s: p50/p99/max
+    python3 bench/gpu_e2e.py --device cpu --faults 20                  # the same on the tiny model
+
+The failover figures are the clients' (bench/gpu_e2e_faults.py, bench/client_figures.py), from each
+kill: p50/p99/max over ``--faults`` kills of the first token to any client, the worst in-flight
+client's wait for its next token and the longest stall inside a stream, with failed and broken
+counts; the router's own record beside them.
 """
 
 from __future__ import annotations
@@ -33,8 +41,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from attach import write_model  # noqa: E402
-from client_figures import fault_figures  # noqa: E402
-from loadgen import Load  # noqa: E402
+from gpu_e2e_faults import failover_rounds, log_events  # noqa: E402
 
 from failover_common.logs import configure_logging  # noqa: E402
 from failover.config.schema import parse_config  # noqa: E402
@@ -107,21 +114,13 @@ def node_config(a, run: Path, model: Path, batch_in: Path | None):
     return parse_config({
         "run_dir": str(run), "model": {"path": str(model), "dtype": a.dtype, "device": a.device, "tp": 1},
         "router": {"port": rport, "probe_interval": 0.1, "probe_timeout": 0.25},
+        # the bench's kills, spaced by --settle, are independent faults, not a crash loop: the window
+        # is shorter than their spacing, so each replacement starts at once instead of backing off
         "supervisor": {"launch": "zygote", "log_level": "info", "ready_timeout": 900.0,
+                       **({"crash_loop_window": 0.5} if a.faults > 1 else {}),
                        "daemon_ready_timeout": 1800.0},
         "service": services,
     }, source="gpu-e2e")
-
-
-def log_events(path: Path, event: str) -> list[dict]:
-    found = []
-    for line in path.read_text(errors="replace").splitlines():
-        if f'"{event}"' in line:
-            try:
-                found.append(json.loads(line[line.index("{"):]))
-            except ValueError:
-                pass
-    return found
 
 
 async def measure(a, work: Path, model: Path, nbytes: int, report: dict) -> None:
@@ -180,81 +179,12 @@ async def measure(a, work: Path, model: Path, nbytes: int, report: dict) -> None
                     limit = nbytes + kv + 3 * 2**30
                     report["node_limit_gib"] = round(limit / 2**30, 2)
                     report["node_within_limit"] = int(used * 2**20 <= limit)
-            await failover_round(sup, report)
+            await failover_rounds(sup, report, faults=a.faults, warmup=a.warmup, settle=a.settle)
             if batch_in is not None:
                 await preempt_round(sup, report, a)
             write_fault(sup, model, report)
         finally:
             await sup.stop()
-
-
-def startup_steps(node_log: Path) -> str:
-    """Where the last-started engine spent its start: seconds from 'listening' to each later step."""
-    from datetime import datetime as dt
-
-    lines = {e: log_events(node_log, e) for e in ("listening", "weights_loaded", "kv_cache_allocated", "engine_ready")}
-    if not all(lines.values()):
-        return "-"
-    at = {e: dt.fromisoformat(v[-1]["timestamp"].replace("Z", "+00:00")) for e, v in lines.items()}
-    return " ".join(f"{e}=+{(at[e] - at['listening']).total_seconds():.3f}s" for e in at if e != "listening")
-
-
-async def failover_round(sup, report: dict) -> None:
-    load = Load(sup.router.url, max_tokens=32)
-    import aiohttp
-
-    async with aiohttp.ClientSession() as s:
-        await load.learn_expected(s)
-    stop = asyncio.Event()
-    runner = asyncio.create_task(load.run(16, stop))
-    await asyncio.sleep(12.0)  # a big model's first waves of 16 take seconds each
-    primary = sup.router.services["chat"].routable()
-    slot = sup.slots[primary.name]
-    promoted = next(s for s in sup.slots.values() if s.service == "chat" and s is not slot)
-    small = promoted.kv_bytes
-    killed = time.monotonic()
-    os.kill(slot.pid, signal.SIGKILL)
-    full_at = None
-    while not (slot.state == "running" and slot.ready_at and slot.ready_at > killed):
-        if full_at is None and promoted.kv_bytes is not None and promoted.kv_bytes > (small or 0):
-            full_at = time.monotonic()  # the promoted standby now holds its full pool
-        await asyncio.sleep(0.005)
-        if time.monotonic() - killed > 600:
-            raise TimeoutError("no relaunch within 600 s")
-    while full_at is None and time.monotonic() - killed < 60:
-        if promoted.kv_bytes is not None and promoted.kv_bytes > (small or 0):
-            full_at = time.monotonic()
-        await asyncio.sleep(0.005)
-    report["standby_kv_pool_gib"] = round((small or 0) / 2**30, 2)
-    report["promoted_kv_pool_gib"] = round((promoted.kv_bytes or 0) / 2**30, 2)
-    report["kill_to_full_pool_ms"] = None if full_at is None else round(1e3 * (full_at - killed), 1)
-    report["replacement_kv_pool_gib"] = round((slot.kv_bytes or 0) / 2**30, 2)
-    report["relaunch_to_ready_ms"] = round(1e3 * (slot.ready_at - killed), 1)
-    report["relaunch_weights_source"] = slot.ready_info.get("weights_source")
-    report["relaunch_engine_startup_s"] = slot.ready_info.get("startup_seconds")
-    report["relaunch_engine_steps"] = startup_steps(sup.config.run_path.parent / "node.log")
-    await asyncio.sleep(max(0.0, killed + 15.5 - time.monotonic()))
-    stop.set()
-    await runner
-    # the new primary's throughput 10 s after the failover vs the old one's in the 5 s before the kill
-    def rate(lo: float, hi: float) -> float:
-        return sum(1 for o in load.outcomes if o.ok and lo <= o.end < hi) / (hi - lo)
-    before, after = rate(killed - 5.0, killed), rate(killed + 10.0, killed + 15.0)
-    # requests completed and stream tokens received per second around the kill (second 0 = the kill)
-    report["timeline_s_done_tokens"] = " ".join(
-        f"{t}:{sum(1 for o in load.outcomes if o.ok and t <= o.end - killed < t + 1)}/"
-        f"{sum(1 for o in load.outcomes for x in o.tokens if t <= x - killed < t + 1)}" for t in range(-12, 15))
-    report["requests_per_s_before_kill"] = round(before, 2)
-    report["requests_per_s_10s_after"] = round(after, 2)
-    report["throughput_after_vs_before"] = round(after / before, 3) if before else None
-    fig = fault_figures(load.outcomes, [killed])[0]  # one fault: the figures themselves, no percentiles
-    report["crash_blackout_ms"] = None if fig.first_token_ms is None else round(fig.first_token_ms, 1)
-    report["crash_worst_client_wait_ms"] = None if fig.worst_wait_ms is None else round(fig.worst_wait_ms, 1)
-    report["crash_longest_stream_stall_ms"] = None if fig.longest_stall_ms is None else round(fig.longest_stall_ms, 1)
-    report["crash_inflight_failed"] = f"{fig.failed} of {fig.inflight}"
-    report["router_failover"] = json.dumps(sup.router.promoter.last_failover, default=str)
-    report["requests"] = len(load.outcomes)
-    report["failed"] = sum(not o.ok for o in load.outcomes)
 
 
 async def preempt_round(sup, report: dict, a) -> None:
@@ -305,11 +235,19 @@ def main() -> int:
     p.add_argument("--batch-items", type=int, default=400, help="0: no batch service")
     p.add_argument("--batch-run", type=float, default=5.0, help="seconds of batch work before the preemption")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke test on the tiny model")
+    p.add_argument("--faults", type=int, default=1, help="kill -9s of the primary under load (20: p50/p99/max)")
+    p.add_argument("--settle", type=float, default=None,
+                   help="seconds of load between a round's ready standby and the next kill (2 on CUDA, 1 on CPU)")
+    p.add_argument("--warmup", type=float, default=None, help="seconds of load before the first kill (12 on CUDA, 2 on CPU)")
     p.add_argument("--save-log", type=Path, default=None, help="copy the node's log (every process) here")
     a = p.parse_args()
     global CUDA
     CUDA = a.device == "cuda"
     a.dtype = "bfloat16" if CUDA else "float32"
+    if a.faults < 1:
+        p.error("--faults must be at least 1")
+    a.settle = (2.0 if CUDA else 1.0) if a.settle is None else a.settle
+    a.warmup = (12.0 if CUDA else 2.0) if a.warmup is None else a.warmup
     if not CUDA:
         a.kv_memory, a.batch_kv_memory, a.batch_items = "32MiB", "32MiB", min(a.batch_items, 60)
     configure_logging("warning", process="gpu-e2e")

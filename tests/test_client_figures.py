@@ -1,5 +1,5 @@
-"""bench/client_figures.py: the client-seen figures every failover bench prints, on records whose
-answer is known by hand."""
+"""failover_common/client_figures.py (bench/client_figures.py to the benches): the client-seen figures
+every failover bench and ``failover demo`` print, on records whose answer is known by hand."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO / "bench") not in sys.path:
-    sys.path.insert(0, str(REPO / "bench"))
+    sys.path.append(str(REPO / "bench"))  # last: bench/engine.py and bench/failover.py must not shadow the packages
 
-from client_figures import fault_figures, one_fault, percentile, requests_summary, summarize  # noqa: E402
+import client_figures as bench_name  # noqa: E402
+from failover_common.client_figures import (fault_figures, one_fault, percentile, requests_summary,  # noqa: E402
+                                            stall_span, summarize)
 
 
 @dataclass
@@ -38,6 +40,7 @@ def test_one_crash_of_two_streams_and_a_request():
     assert f.first_token_ms == pytest.approx(400.0)  # b's first token at 10.4
     assert f.worst_wait_ms == pytest.approx(800.0)  # a waited 10.0 -> 10.8
     assert f.longest_stall_ms == pytest.approx(1300.0)  # a: 9.5 -> 10.8 (b: 9.9 -> 10.4 = 500)
+    assert stall_span(records[0], 10.0) == (9.5, 10.8)
     assert (f.inflight, f.failed) == (3, 0)
 
 
@@ -83,3 +86,7 @@ def test_percentile_nearest_rank():
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile(list(range(100)), 99) == 98
     assert math.isnan(percentile([], 50))
+
+
+def test_the_benches_use_the_same_helper():
+    assert bench_name.fault_figures is fault_figures and bench_name.summarize is summarize

@@ -161,7 +161,7 @@ def test_restart_policy_counts_failures_only_and_gives_up_on_a_crash_loop():
     from failover.procs.restart import CrashLoop, RestartPolicy
 
     policy = RestartPolicy(SupervisorConfig(backoff_initial=0.1, backoff_max=1.0, crash_loop_exits=3,
-                                            crash_loop_window=60.0))
+                                            crash_loop_window=60.0), jitter=0.0)
     assert policy.next_delay("chat", failure=False, now=0.0) == 0.0  # a planned recycle: not counted
     assert policy.next_delay("chat", failure=True, now=1.0) == 0.0  # the first failure: at once
     assert policy.next_delay("chat", failure=True, now=2.0) == 0.1
@@ -169,6 +169,24 @@ def test_restart_policy_counts_failures_only_and_gives_up_on_a_crash_loop():
         policy.next_delay("chat", failure=True, now=3.0)
     policy.forget("chat")
     assert policy.next_delay("chat", failure=True, now=4.0) == 0.0
+
+
+def test_restart_policy_jitters_its_delays_and_gives_up_on_failed_starts_in_a_row():
+    from failover.config.schema import SupervisorConfig
+    from failover.procs.restart import CrashLoop, RestartPolicy
+
+    cfg = SupervisorConfig(backoff_initial=1.0, backoff_max=8.0, crash_loop_exits=100, crash_loop_window=60.0,
+                           restart_attempts=3)
+    delays = set()
+    for _ in range(50):
+        policy = RestartPolicy(cfg)  # the default jitter, 20 %
+        policy.record_exit("chat", now=0.0)
+        delays.add(policy.record_exit("chat", now=1.0, why="chat-0 failed to start: boom", failed_starts=1))
+    assert all(0.8 <= d <= 1.2 for d in delays) and len(delays) > 1
+    policy = RestartPolicy(cfg)
+    policy.record_exit("chat", now=0.0, failed_starts=2)
+    with pytest.raises(CrashLoop, match="3 replacements in a row failed to start; the last: chat-0 failed"):
+        policy.record_exit("chat", now=1.0, why="chat-0 failed to start: boom", failed_starts=3)
 
 
 # -- dtype "auto" and the tp rule ----------------------------------------------------------------

@@ -154,26 +154,35 @@ def test_hung_primary_is_fenced_and_replaced(procs, tiny_model, run_dir):
         n.stop()
 
 
-def test_an_engine_that_keeps_hanging_backs_off_and_ends_failed(procs, tiny_model, run_dir):
-    # every new primary hangs (SIGSTOP): the router fences it, and the fence's exit goes through the
-    # restart policy like a crash, so the relaunches back off and the service ends in `failed`
-    n = Node(procs, tiny_model, run_dir, supervisor={"stop_timeout": 1.0, "crash_loop_exits": 3,
-                                                     "crash_loop_window": 120.0, "backoff_initial": 0.2})
+def test_an_engine_that_hangs_every_time_it_is_promoted_backs_off_and_ends_failed(procs, tiny_model, run_dir):
+    # every new primary hangs (SIGSTOP), 5 times under load: the router fences each, and the fence's
+    # exit goes through the restart policy like a crash, so the relaunches back off and the 5th ends
+    # the service in `failed`; the other instance goes on serving and no request fails
+    n = Node(procs, tiny_model, run_dir, supervisor={"stop_timeout": 1.0, "crash_loop_exits": 5,
+                                                     "crash_loop_window": 300.0, "backoff_initial": 0.2})
+    load = Load(n.url, workers=2)
     try:
-        for _ in range(3):
+        load.start()
+        for _ in range(5):
             primary, standby = wait_until(n.serving_pair, 60, "a ready pair")
             os.kill(primary["pid"], signal.SIGSTOP)
             wait_until(lambda: not alive(primary["pid"]), 30, "the hung primary fenced")
         doc = wait_until(lambda: (d := n.status())["supervisor"]["failed"] and d, 15, "the service failed")
-        assert "exited 3 times" in doc["supervisor"]["failed"]["chat"]
+        assert "exited 5 times" in doc["supervisor"]["failed"]["chat"]
         res = n.cli("status", "--json")
         assert res.returncode == 0, res.stderr
         status = json.loads(res.stdout)
         assert "failed" in status["services"][0]["state"]
-        assert "exited 3 times" in status["supervisor"]["failed"]["chat"]
-        assert '"new": "backoff"' in n.log()  # the second relaunch waited
-        assert n.log().count('"reason": "fenced by the router"') >= 3
+        assert "exited 5 times" in status["supervisor"]["failed"]["chat"]
+        assert n.role("primary")["name"] == standby["name"] and n.role("primary")["ready"]
+        seen = load.total()
+        wait_until(lambda: load.total() >= seen + 5, 30, "the other instance serving")
+        load.stop()
+        assert load.failures == [], load.failures[:5]
+        assert n.log().count('"new": "backoff"') >= 3  # the relaunches after the first waited
+        assert n.log().count('"reason": "fenced by the router"') >= 5
     finally:
+        load.stop()
         n.stop()
 
 

@@ -85,7 +85,7 @@ class SupervisorConfig(_Base):
     daemon_ready_timeout: Positive = 600.0  # loading a large checkpoint takes minutes
     stop_timeout: Positive = 10.0  # SIGTERM -> SIGKILL
     drain_timeout: Positive = 30.0  # at clean shutdown, for in-flight requests
-    restart_attempts: PositiveInt = 5  # per replacement, with exponential backoff
+    restart_attempts: PositiveInt = 5  # failed starts of one replacement in a row: then the service is failed
     backoff_initial: Positive = 0.2
     backoff_max: Positive = 10.0
     crash_loop_exits: PositiveInt = 5  # this many exits of one service ...
@@ -93,7 +93,7 @@ class SupervisorConfig(_Base):
     # liveness of the cache daemon and the zygote: pinged every ping_interval s; one silent for
     # ping_timeout s is hung (SIGKILL of its process group, then its usual restart)
     ping_interval: Positive = 0.5
-    ping_timeout: Positive = 2.0
+    ping_timeout: Positive = 1.5  # a frozen daemon or zygote is noticed within 1.5 s of its last answer
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 

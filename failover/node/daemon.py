@@ -2,6 +2,8 @@
 
 Engines do not need the daemon once they have mapped their weights, so a dead daemon is an
 incident (logged, restarted with backoff), not an outage. Only new engines wait for it to be back.
+Its liveness ping is a Status: a daemon that answers but no longer holds the node's model (a client
+evicted it with ``force``) is an incident too: a managed one is restarted, which loads it again.
 With ``supervisor.daemon = "external"`` (systemd unit, Kubernetes DaemonSet) someone else runs it and
 the supervisor only waits for its ready file.
 """
@@ -15,10 +17,13 @@ import sys
 import time
 from typing import Callable
 
+import msgspec
 import structlog
 import tenacity
 
 from cache_daemon import client
+from cache_daemon.errors import CacheError
+from cache_daemon.fingerprint import CacheConfig
 from failover.procs import child as processes
 from failover.config.schema import Config
 from failover.config.argv import daemon_argv
@@ -44,8 +49,11 @@ class CacheDaemon:
         self.restarts = 0
         self.incidents: list[dict] = []
         self.stopping = False
+        self.generation = 0  # one more at every ready: a launch can tell that the daemon was replaced
         self._ready = asyncio.Event()
         self._restart_task: asyncio.Task | None = None
+        self._reload: asyncio.Task | None = None  # stopping a daemon that lost the model, to load it again
+        self._lost: frozenset[str] = frozenset()  # keys of the model found missing (logged once per loss)
 
     @property
     def managed(self) -> bool:
@@ -71,6 +79,8 @@ class CacheDaemon:
             self.ready_info = await processes.wait_ready_file(
                 cfg.daemon_ready_file, self.child, cfg.supervisor.daemon_ready_timeout,
                 progress=lambda s: self.progress(f"cache daemon loading {cfg.model.path} ({s:.0f} s)"))
+        self._lost = frozenset()
+        self.generation += 1
         self._ready.set()
         log.info("daemon_ready", seconds=round(time.monotonic() - t0, 3), socket=str(cfg.daemon_socket),
                  pid=self.ready_info.get("pid"))
@@ -80,10 +90,74 @@ class CacheDaemon:
         """The process the liveness watchdog pings: a managed daemon once ready (not while loading)."""
         return self.child if self.managed and self.ready else None
 
+    @property
+    def model_keys(self) -> frozenset[str]:
+        """The keys (one per rank) of the model the daemon said it holds when it became ready."""
+        return frozenset(msgspec.convert(fp, CacheConfig).key for fp in self.ready_info.get("fingerprints") or ())
+
     async def ping(self, timeout: float) -> bool:
-        """True when the daemon answers Hello and Ping on its socket within ``timeout`` s each
-        (blocking socket calls, so off the event loop)."""
-        return await asyncio.to_thread(client.ping, self.config.daemon_socket, timeout=timeout)
+        """True when the daemon answers Hello and Status on its socket within ``timeout`` s each
+        (blocking socket calls, so off the event loop). An answer without the node's model starts
+        its reload (:meth:`_model_lost`); the daemon is alive all the same."""
+        return (await self._check(timeout)) is not None
+
+    async def healthy(self, timeout: float) -> bool:
+        """Ready, answering, and holding the node's model: a launch that failed now is not its fault."""
+        return self.ready and await self._check(timeout) is True and self.ready
+
+    async def _check(self, timeout: float) -> bool | None:
+        """None: no answer; else whether the daemon holds every rank of the node's model."""
+        try:
+            st = await asyncio.to_thread(client.status, self.config.daemon_socket, timeout=timeout)
+        except (CacheError, OSError):
+            return None
+        missing = self.model_keys - {m.key for m in st.models}
+        if not missing:
+            self._lost = frozenset()
+        elif not st.loading and self.ready:
+            self._model_lost(missing, st.pid)
+        return not missing
+
+    async def excuses(self, generation: int, failure: str) -> bool:
+        """Is the daemon to blame for ``failure``, a launch begun at ``generation`` that failed?
+        It is when it was replaced since, or is not healthy now (down, frozen, restarting, without
+        the model): then this waits until it is healthy again and says so; the launch is not the
+        engine's fault and the caller starts it again without counting it."""
+        sup = self.config.supervisor
+        if generation == self.generation and await self.healthy(sup.ping_timeout):
+            return False
+        log.warning("launch_failed_daemon_unhealthy", failure=failure,
+                    consequence="not counted against the engine; starting again once the cache daemon is back")
+        self.progress(f"{failure}; waiting for the cache daemon to be back")
+        await self.wait_healthy(sup.ping_interval, sup.ping_timeout)
+        return True
+
+    async def wait_healthy(self, interval: float, timeout: float) -> None:
+        """Until :meth:`healthy` (a frozen daemon is killed by its watchdog meanwhile, a reload ends)."""
+        while True:
+            await self._ready.wait()
+            if await self.healthy(timeout):
+                return
+            await asyncio.sleep(interval)
+
+    def _model_lost(self, missing: frozenset[str], pid: int) -> None:
+        """The daemon answers but holds none (or not all) of the model: something evicted it. Engines
+        keep their mappings; new ones could not attach. A managed daemon is stopped, and its exit
+        path starts it again, which loads the model; an external one is only reported."""
+        if missing == self._lost:
+            return
+        self._lost = missing
+        incident = {"at": time.time(), "pid": pid, "reason": f"model not resident ({len(missing)} rank(s) "
+                    "missing: evicted by a client?)", "returncode": None}
+        self.incidents.append(incident)
+        if not self.managed:
+            log.error("daemon_model_lost", **incident, hint="load the model into the external daemon again "
+                      "(restart its unit); relaunches wait for it")
+            return
+        self._ready.clear()  # replacements wait for the reload instead of failing against it
+        log.error("daemon_model_lost", **incident, consequence="restarting the daemon, which loads it again")
+        if self.child is not None and (self._reload is None or self._reload.done()):
+            self._reload = asyncio.ensure_future(self.child.stop(self.config.supervisor.stop_timeout))
 
     async def _wait_external(self, timeout: float) -> dict:
         path = self.config.daemon_ready_file
@@ -103,10 +177,14 @@ class CacheDaemon:
         self._ready.clear()
         if self.stopping:
             return
-        incident = {"at": time.time(), "returncode": child.returncode, "pid": child.pid}
-        self.incidents.append(incident)
-        log.error("daemon_died", **incident,
-                  consequence="engines keep serving on their mappings; restarting the daemon")
+        if self._reload is not None and child is self.child:  # stopped by _model_lost: already an incident
+            self._reload = None
+            log.warning("daemon_reloading", pid=child.pid, returncode=child.returncode)
+        else:
+            incident = {"at": time.time(), "returncode": child.returncode, "pid": child.pid}
+            self.incidents.append(incident)
+            log.error("daemon_died", **incident,
+                      consequence="engines keep serving on their mappings; restarting the daemon")
         if self._restart_task is None or self._restart_task.done():
             self._restart_task = asyncio.ensure_future(self._restart())
 
@@ -132,6 +210,8 @@ class CacheDaemon:
 
     async def stop(self) -> None:
         self.stopping = True
+        if self._reload is not None:
+            await asyncio.gather(self._reload, return_exceptions=True)
         if self._restart_task is not None:
             self._restart_task.cancel()
             await asyncio.gather(self._restart_task, return_exceptions=True)

@@ -5,7 +5,8 @@ ready ones with the in-process router, and from then on reacts: an engine's exit
 the instant its pidfd turns readable (``router.instance_exited``), and the slot is relaunched (the one
 relaunch trigger, always through the restart policy), mapped from the same resident weights, and
 registered again as a standby. A hung engine the router fences ends the same way: its exit is a
-failure, counted like a crash, so an engine that keeps hanging backs off and ends in ``failed``. The
+failure, counted like a crash, so an engine that keeps hanging backs off and ends in ``failed``; so
+is a replacement that fails to start, unless the cache daemon was to blame (``CacheDaemon.excuses``). The
 router asks for fencing and operator preemptions through ``failover.node.bridge.NodeLauncher``.
 
 Ownership: the supervisor is a child subreaper; it owns (and reaps) every process of the node, and
@@ -163,23 +164,18 @@ class Supervisor:
         crash loop and backs off; a planned restart starts at once), or that the service failed."""
         if self.stopping or not self.serving or slot.hold or slot.service in self.failed:
             return
+        if slot.task is not None and not slot.task.done():
+            return  # a replacement under way counts its own failed start (once) and starts again
         try:
             delay = self.policy.next_delay(slot.service, failure=failure)
         except CrashLoop as e:
             self.fail_service(slot.service, str(e))
             return
-        if slot.task is None:  # a launch in progress handles its own failure
-            slot.task = asyncio.ensure_future(self._replace(slot, delay))
-            slot.task.add_done_callback(lambda t: setattr(slot, "task", None) if slot.task is t else None)
+        slot.task = asyncio.ensure_future(self._replace(slot, delay))
+        slot.task.add_done_callback(lambda t: setattr(slot, "task", None) if slot.task is t else None)
 
     async def _replace(self, slot: Slot, delay: float) -> None:
-        if delay > 0:
-            slot.change(slots.BACKOFF, "backoff", delay_s=round(delay, 3))
-            try:
-                await asyncio.sleep(delay)
-            except asyncio.CancelledError:  # preempted meanwhile: a later resume relaunches a STOPPED slot
-                slot.change(slots.STOPPED, "backoff cancelled")
-                raise
+        await slot.backoff(delay)
         evicted = slot.evicted_at or time.monotonic()
         svc = self.services[slot.service]
         if svc.kind == "online":
@@ -188,17 +184,26 @@ class Supervisor:
             if self.router.knows_service(slot.service):
                 await self.router.failover_settled(slot.service)
             await self.coserve.make_room(svc)  # it may need a batch engine's memory
-        try:
-            async for attempt in self.policy.retrying():
-                with attempt:
-                    if not self.daemon.ready and needs_cache(self.config, svc):
-                        self.progress(f"{slot.name}: waiting for the cache daemon to be back")
-                        await self.daemon.wait_ready()
-                    await self._launch(slot, "replacement")
-        except (ChildFailed, OSError, launch.ZygoteError) as e:
-            self.fail_service(slot.service, f"{slot.name} could not be relaunched "
-                                            f"({self.sup.restart_attempts} attempts): {e}")
-            return
+        failed_starts, uses_cache = 0, needs_cache(self.config, svc)
+        while True:
+            if uses_cache and not self.daemon.ready:
+                self.progress(f"{slot.name}: waiting for the cache daemon to be back")
+                await self.daemon.wait_healthy(self.sup.ping_interval, self.sup.ping_timeout)
+            generation = self.daemon.generation
+            try:
+                await self._launch(slot, "replacement")
+                break
+            except (ChildFailed, OSError, launch.ZygoteError) as e:
+                if uses_cache and await self.daemon.excuses(generation, f"{slot.name} failed to start: {e}"):
+                    continue  # the daemon's failure, not the engine's: not counted
+                failed_starts += 1
+                try:  # the same policy as a crash: counted, backed off, or the service is failed
+                    delay = self.policy.record_exit(slot.service, why=f"{slot.name} failed to start: {e}",
+                                                    failed_starts=failed_starts)
+                except CrashLoop as crash_loop:
+                    self.fail_service(slot.service, str(crash_loop))
+                    return
+            await slot.backoff(delay)
         assert slot.ready_at is not None
         slot.last_relaunch_s = slot.ready_at - evicted
         log.info("relaunched", slot=slot.name, relaunch_ms=round(slot.last_relaunch_s * 1e3, 1),

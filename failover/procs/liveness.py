@@ -1,8 +1,9 @@
 """Liveness: a long-lived helper (the cache daemon, the zygote) is pinged, not only watched for exit.
 
 A pidfd only tells that a process ended; a SIGSTOPped or wedged one stays "alive" forever and the next
-relaunch hangs on it. ``Watchdog`` pings one process every ``interval`` s; one that has not answered
-for ``timeout`` s is hung: it is logged (``EVENT`` with ``silent_s``) and its whole process group is
+relaunch hangs on it. ``Watchdog`` pings one process every ``interval`` s, each ping with what is left
+of ``timeout`` since its last answer as its deadline; one that has not answered for ``timeout`` s is
+hung: it is logged (``EVENT`` with ``silent_s``) and its whole process group is
 SIGKILLed. Its pidfd then fires, so the owner's usual exit path restarts it: one restart path for
 crashes and hangs.
 
@@ -23,6 +24,7 @@ import structlog
 from failover.procs.child import Child
 
 log = structlog.get_logger(__name__)
+MIN_PING_S = 0.05  # the shortest ping deadline (a last try when the silence is nearly timeout)
 
 
 def kill_tree(child: Child) -> None:
@@ -54,8 +56,13 @@ class Watchdog:
                 continue
             if child is not watched:
                 watched, last_ok = child, time.monotonic()
+            # the ping may take what is left of ``timeout`` since the last answer: a process silent
+            # that long is hung, whatever the ping's cadence (a frozen one is noticed <= timeout
+            # after its last answer, not timeout + interval); a healthy one, answering every
+            # interval, always has >= timeout - interval for it
+            budget = max(self.timeout - (time.monotonic() - last_ok), MIN_PING_S)
             try:
-                ok = await asyncio.wait_for(self.ping(self.timeout), self.timeout + 1.0)
+                ok = await asyncio.wait_for(self.ping(budget), budget + 1.0)
             except asyncio.TimeoutError:
                 ok = False
             now = time.monotonic()

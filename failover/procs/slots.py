@@ -111,6 +111,20 @@ class Slot:
             self.then = then
         return await child.stop(timeout)
 
+    async def backoff(self, delay: float) -> None:
+        """Wait ``delay`` s before the next start (BACKOFF when the process exited); a cancel (a
+        preempt meanwhile) leaves the slot STOPPED, for a later resume to start."""
+        if delay <= 0:
+            return
+        if self.state == EXITED:
+            self.change(BACKOFF, "backoff", delay_s=round(delay, 3))
+        try:
+            await asyncio.sleep(delay)
+        except asyncio.CancelledError:
+            if self.state == BACKOFF:
+                self.change(STOPPED, "backoff cancelled")
+            raise
+
     def as_json(self) -> dict:
         now = time.monotonic()
         return {"slot": self.name, "state": self.state, "pid": self.pid, "port": self.port,
