@@ -254,4 +254,5 @@ class Etcd:
 def _is_unavailable(doc: dict) -> bool:
     # gRPC codes: 14 UNAVAILABLE, 4 DEADLINE_EXCEEDED; "etcdserver: no leader", "too many requests"
     text = str(doc.get("message") or doc.get("error") or "")
-    return doc.get("code") in (4, 14) or "no leader" in text or "timed out" in text
+    return doc.get("code") in (1, 4, 14) or any(
+        part in text for part in ("no leader", "timed out", "connection is closing", "leader changed"))

@@ -161,7 +161,17 @@ class Front:
         self.proc = subprocess.Popen([HAPROXY, "-db", "-f", str(self.dir / "haproxy.cfg")], stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
-        return self
+        deadline = time.monotonic() + 20
+        while True:  # the front answers /ready once one router behind it is up
+            try:
+                with urllib.request.urlopen(self.url + "/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"haproxy did not serve: {(self.dir / 'haproxy.log').read_text()[-2000:]}")
+            time.sleep(0.05)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

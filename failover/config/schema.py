@@ -166,13 +166,29 @@ class ServiceConfig(_Base):
         return [f"{self.name}-{i}" for i in range(self.instances)]
 
 
+class ClusterConfig(_Base):
+    """``[cluster]``: this node is one of several; roles are decided in etcd (docs/cluster.md)."""
+
+    etcd: list[str]  # endpoints, e.g. ["http://10.0.0.5:2379", "http://10.0.0.6:2379"]
+    node: str  # this node's name in the cluster, unique
+    ttl: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 5  # lease TTL (s): a node silent this long is out
+    name: str = "default"  # the cluster's name: its keys live under /failover/<name>/
+    host: str = "127.0.0.1"  # the address this node's engines listen on and are reached at
+
+
 class Config(_Base):
     run_dir: str
     model: ModelConfig
     service: list[ServiceConfig]
     router: RouterConfig = RouterConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
+    cluster: ClusterConfig | None = None
     source: str = ""  # the file it came from (set by load_config, not by the user)
+
+    @property
+    def engine_host(self) -> str:
+        """Where engines listen: loopback on one node; the node's cluster address in a cluster."""
+        return self.cluster.host if self.cluster is not None else "127.0.0.1"
 
     @property
     def run_path(self) -> Path:
@@ -221,10 +237,23 @@ def parse_config(raw: dict, *, source: str = "<config>") -> Config:
         config = msgspec.convert(raw, Config)
     except msgspec.ValidationError as e:
         raise ConfigError(source, [explain(str(e), Config)]) from None
-    problems = _check_services(config) + _check_router(config.router)
+    problems = _check_services(config) + _check_router(config.router) + _check_cluster(config.cluster)
     if problems:
         raise ConfigError(source, problems)
     return msgspec.structs.replace(config, source=source)
+
+
+def _check_cluster(c: ClusterConfig | None) -> list[str]:
+    if c is None:
+        return []
+    problems = []
+    if not c.etcd:
+        problems.append("cluster.etcd: give at least one endpoint, e.g. [\"http://127.0.0.1:2379\"]")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", c.node):
+        problems.append(f"cluster.node: {c.node!r} must be 1-63 letters, digits, '.', '_' or '-'")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", c.name):
+        problems.append(f"cluster.name: {c.name!r} must be 1-63 letters, digits, '.', '_' or '-'")
+    return problems
 
 
 def _check_router(r: RouterConfig) -> list[str]:

@@ -23,6 +23,7 @@ from typing import Callable
 import aiohttp
 import structlog
 
+from failover.cluster.node import NodeCluster
 from failover.config.schema import Config, ServiceConfig
 from failover.coserve.coserver import Coserver, NodeHooks
 from failover.coserve.job import DONE, ResumeRefused
@@ -55,7 +56,7 @@ class Supervisor:
         self.progress = progress or (lambda text: None)
         self.services: dict[str, ServiceConfig] = {s.name: s for s in config.service}
         self.slots: dict[str, Slot] = {
-            name: Slot(svc.name, name, port)
+            name: Slot(svc.name, name, port, host=config.engine_host)
             for svc in config.service for name, port in zip(svc.slot_names(), svc.ports)}
         self.failed: dict[str, str] = {}  # service -> why it was given up
         self.policy = RestartPolicy(self.sup)
@@ -72,8 +73,11 @@ class Supervisor:
         self.engines = EngineStarter(config, self.zygote, child_output=child_output, progress=self.progress)
         self.pools = PoolSizer(config.engine_token_path, lambda: self.engines.session, self._make_room)
         launcher = NodeLauncher(fence=self.fence, is_batch=self.is_batch, preempt=self.preempt, resume=self.resume)
+        self.cluster = NodeCluster(config, self.slots) if config.cluster else None  # roles in etcd
         self.router = NodeRouter(router_config(config), launcher, describe=self._describe,
-                                 before_resume=self._before_resume, retire=self._retire)
+                                 before_resume=self._before_resume, retire=self._retire,
+                                 roles=self.cluster.roles if self.cluster else None)
+        self.cluster and self.cluster.attach(self.router)
         self.router.watch_roles(self._role_changed)
         self.kv_grown: dict[str, float] = {}  # instance -> ms from its promotion to its full pool
         # batch services: their runners and when they get out of the way
@@ -108,8 +112,10 @@ class Supervisor:
         for svc in self.config.service:
             for i, name in enumerate(svc.slot_names()):
                 if not self.slots[name].hold:
-                    self._register(self.slots[name], states.PRIMARY if i == 0 else states.STANDBY)
+                    first = i == 0 and self.cluster is None  # in a cluster etcd names the primary
+                    self._register(self.slots[name], states.PRIMARY if first else states.STANDBY)
         await self.router.start()
+        self.cluster and self.cluster.start()
         self.serving = True
         for dog in self.watchdogs:
             self.background(dog.run(), dog.event)
@@ -359,6 +365,7 @@ class Supervisor:
             "failed": dict(self.failed),
             "slots": [slot.as_json() for slot in self.slots.values()],
             "batch": self.coserve.status(),
+            **({"cluster": self.cluster.status()} if self.cluster is not None else {}),
         }
 
     # -- stop ------------------------------------------------------------------------------------
@@ -366,6 +373,8 @@ class Supervisor:
         """Ordered shutdown; each step bounded by its timeout, nothing left behind."""
         self.stopping = True
         self.engines.cold = True
+        if self.cluster is not None:  # 0. leave the cluster: its peers fail this node's primary over now
+            await self.cluster.leave()
         # 1. No more replacements or restarts.
         tasks = [*(s.task for s in self.slots.values() if s.task is not None), *self._bg]
         for task in tasks:
@@ -386,4 +395,5 @@ class Supervisor:
         self._reap_orphans()
         # A managed node owns its run dir (also one a crashed run left); an external daemon lives there.
         self.run_dir.clean(owns_dir=self.daemon.managed)
+        self.cluster and await self.cluster.close()
         log.info("supervisor_stopped")
