@@ -57,11 +57,12 @@ class KV:
     mod_revision: int
     create_revision: int
     lease: int
+    version: int = 0  # writes since the key was created
 
     @classmethod
     def parse(cls, raw: dict) -> KV:
         return cls(_unb64(raw.get("key")), _unb64(raw.get("value")), int(raw.get("mod_revision", 0)),
-                   int(raw.get("create_revision", 0)), int(raw.get("lease", 0)))
+                   int(raw.get("create_revision", 0)), int(raw.get("lease", 0)), int(raw.get("version", 0)))
 
     def json(self) -> dict:
         try:
