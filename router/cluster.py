@@ -120,9 +120,11 @@ class ClusterView:
             self.roles.nodes_alive = set(self.nodes)
         elif kind == "routers":
             self._table(self.routers, rest, doc)
-        elif kind == "instances" and self.directory:
+        elif kind == "instances":
             service, _, ident = rest.partition("/")
-            if doc is None:
+            if not self.directory:  # a node router only shows the others' records
+                self._table(self.instances, ident, None if doc is None else dict(doc, service=service))
+            elif doc is None:
                 self._instance_gone(service, ident)
             else:
                 self._instance_put(service, ident, doc)

@@ -121,6 +121,25 @@ def test_kill_9_of_the_primary_engine_fails_over_to_the_other_node(rig):
     assert len(promotions) == 1, promotions  # two routers saw the failure; one promoted
 
 
+def test_failover_status_shows_nodes_instances_roles_and_routers(rig):
+    import subprocess
+    import sys
+
+    r = rig.routers[1]
+    out = subprocess.run([sys.executable, "-m", "failover", "status", "--url", r.url, "--token-file",
+                          str(r.token_path)], capture_output=True, text=True, timeout=30, check=True).stdout
+    primary = rig.primary()
+    for needle in ("NODE", "LEASE AGE", "127.0.0.2", "127.0.0.3", "chat-0@a", "chat-0@b", "r1", "r2",
+                   f"chat: {primary}"):
+        assert needle in out, f"{needle!r} missing from:\n{out}"
+    row = next(line for line in out.splitlines() if line.startswith("chat") and primary in line and "http" in line)
+    assert " primary " in row, row
+    node_out = subprocess.run([sys.executable, "-m", "failover", "status", "--config",
+                               str(rig.nodes["a"].config_path)], capture_output=True, text=True, timeout=30,
+                              check=True).stdout
+    assert "node-a" in node_out and "chat-0@b" in node_out, node_out
+
+
 def test_kill_9_of_one_router_the_front_carries_on(rig):
     victim = rig.routers[0]
     s = rig.streaming()
