@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
 
+from conftest import Procs
+from etcd_helpers import EtcdCluster, Front
 from failover_common.ports import free_port
 from supervisor_helpers import _table, _toml_value, http, wait_until
+
+KEY = "/failover/test/primary/chat"
 
 
 def tree(pid: int) -> list[int]:
@@ -204,6 +210,7 @@ class Streams(threading.Thread):
         self.mismatches: list[str] = []
         self.arrivals: list[float] = []  # monotonic time of every chunk, all streams
         self.gaps: list[tuple[float, float]] = []  # (start, length) of each gap inside a stream
+        self.failed_at: list[tuple[float, float, int]] = []  # (start, failure, chunks received)
         self._halt = threading.Event()
         self._lock = threading.Lock()
 
@@ -222,7 +229,7 @@ class Streams(threading.Thread):
         while not self._halt.is_set():
             prompt = PROMPTS[(i + n) % len(PROMPTS)]
             n += 1
-            text, last, times = "", None, []
+            text, times, t0 = "", [], time.monotonic()
             try:
                 for chunk in client.completions.create(model="chat", prompt=prompt, max_tokens=self.max_tokens,
                                                        temperature=0, stream=True):
@@ -232,6 +239,7 @@ class Streams(threading.Thread):
             except Exception as exc:  # noqa: BLE001 - any client-visible failure is counted
                 with self._lock:
                     self.failures.append(f"{type(exc).__name__}: {exc}")
+                    self.failed_at.append((t0, time.monotonic(), len(times)))
                 continue
             with self._lock:
                 self.ok += 1
@@ -279,5 +287,71 @@ def etcd_get(endpoints: list[str], key: str) -> dict | None:
         if not kvs:
             return None
         kv = kvs[0]
-        return {"value": json.loads(base64.b64decode(kv["value"])), "mod_revision": int(kv["mod_revision"])}
+        return {"value": json.loads(base64.b64decode(kv["value"])), "mod_revision": int(kv["mod_revision"]),
+                "version": int(kv.get("version", 0))}
     raise OSError("no etcd endpoint answered")
+
+
+class Rig:
+    def __init__(self, model: Path, *, ttl: int = 2) -> None:
+        self.procs = Procs()
+        self.base = Path(tempfile.mkdtemp(prefix="fo-mn-", dir="/tmp"))
+        self.etcd = EtcdCluster(3).start()
+        eps = self.etcd.endpoints
+        self.nodes = {n: ClusterNode(self.procs, model, self.base, n, h, eps, ttl=ttl)
+                      for n, h in (("a", "127.0.0.2"), ("b", "127.0.0.3"))}
+        for node in self.nodes.values():  # one at a time: a is the first primary
+            node.start().wait_serving()
+        self.routers = [PeerRouter(self.procs, self.base, f"r{i}", eps, ttl=ttl).start() for i in (1, 2)]
+        self.front = Front([f"127.0.0.1:{r.port}" for r in self.routers]).start()
+        self.settle()
+        self.expected = expected_texts(self.front.url)
+
+    def primary(self) -> str:
+        return etcd_get(self.etcd.endpoints, KEY)["value"]["instance"]
+
+    def version(self) -> int:
+        return etcd_get(self.etcd.endpoints, KEY)["mod_revision"]
+
+    def node_of_primary(self) -> ClusterNode:
+        return self.nodes[self.primary().rpartition("@")[2]]
+
+    def other(self, node: ClusterNode) -> ClusterNode:
+        return next(n for n in self.nodes.values() if n is not node)
+
+    def settle(self, timeout: float = 90.0) -> None:
+        """Both routers route to etcd's primary, and the other node's instance is a ready standby."""
+        def ok() -> bool:
+            try:
+                docs = [r.status() for r in self.routers]
+                primary = self.primary()
+            except (OSError, AssertionError, TypeError):
+                return False
+            for doc in docs:
+                svc = next((s for s in doc["services"] if s["name"] == "chat"), None)
+                if svc is None or svc["primary"] != primary or not svc["ready"]:
+                    return False
+                roles = sorted((i["role"], i["ready"]) for i in svc["instances"])
+                if roles != [("primary", True), ("standby", True)]:
+                    return False
+            return True
+        wait_until(ok, timeout, "the cluster to settle (one primary, one ready standby, both routers agree)")
+
+    def streaming(self, **kw) -> Streams:
+        s = Streams(self.front.url, self.expected, **kw)
+        s.start()
+        time.sleep(1.5)
+        assert s.ok > 0 or s.arrivals, "no stream got through the front before the fault"
+        return s
+
+    def close(self) -> None:
+        try:
+            self.front.stop()
+            for node in self.nodes.values():
+                if node.proc is not None and node.proc.poll() is None:
+                    signal_all(node.pids(), signal.SIGCONT)
+                    node.stop()
+        finally:
+            self.procs.stop_all()
+            self.etcd.stop()
+            shutil.rmtree(self.base, ignore_errors=True)
