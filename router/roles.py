@@ -85,8 +85,9 @@ class Claims:
 
 @dataclass
 class EtcdRoles:
-    """The cluster's decisions through etcd. ``names`` maps the router's instance names to cluster
-    ids: a node router knows its own slots by slot name; a peer router uses cluster ids as names."""
+    """The cluster's decisions through etcd. A node router (``node`` set) knows its own slots by
+    slot name; a peer router uses cluster ids (``slot@node``) as names. Of its backend it only uses
+    ``swap``: ``failover_common.k8s_lease.KubeLeases`` (Kubernetes Leases) serves as well."""
 
     etcd: Etcd
     cluster: str
