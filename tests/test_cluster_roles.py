@@ -122,3 +122,13 @@ async def test_router_without_etcd_keeps_the_primary_for_a_bounded_time_and_neve
             solo.restart(0)
             await wait_for(lambda: routed(r1) not in (None, primary), 30, "promotion once etcd is back")
             assert not r1.cluster.held
+
+
+async def test_a_standby_on_another_node_is_preferred_to_one_beside_the_failed_primary():
+    roles = EtcdRoles(None, "t", "r1")  # ranking reads no store
+    roles.nodes_alive = {"x", "y", "z"}
+    assert roles.rank("chat-1@y", failed="chat-0@x") < roles.rank("chat-1@x", failed="chat-0@x")
+    roles.nodes_alive = {"x", "y"}  # z's lease is gone: its instances come last
+    assert roles.rank("chat-1@x", failed="chat-0@x") < roles.rank("chat-1@z", failed="chat-0@x")
+    node_router = EtcdRoles(None, "t", "node-x", node="x")  # a node router names its slots alone
+    assert node_router.to_cluster("chat-1") == "chat-1@x" and node_router.to_local("chat-0@y") is None
