@@ -296,7 +296,8 @@ class Router:
         return web.json_response({"alive": True})
 
     async def _ready(self, request: web.Request) -> web.Response:
-        ready = {name: svc.routable() is not None for name, svc in self.services.items()}
+        serves = self.cluster.serves if self.cluster is not None else lambda svc: svc.routable() is not None
+        ready = {name: serves(svc) for name, svc in self.services.items()}
         ok = bool(ready) and all(ready.values())
         return web.json_response({"ready": ok, "services": ready}, status=200 if ok else 503)
 

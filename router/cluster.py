@@ -214,6 +214,17 @@ class ClusterView:
             svc.held = why
             svc.refresh()
 
+    def serves(self, svc) -> bool:
+        """This router's /ready for a service: it routes now, or a failover is under way and a
+        ready standby will take the requests (they wait in the queue meanwhile). A front that marks
+        a router down on one failed check would otherwise mark every router down at once during a
+        failover and refuse connections it could have queued."""
+        if self.held:
+            return False
+        if svc.routable() is not None:
+            return True
+        return any(i.ready and not i.fenced and not i.suspect for i in svc.standbys())
+
     def as_json(self) -> dict:
         return {"router": self.roles.router_id, "node": self.roles.node, "directory": self.directory,
                 "etcd": self.etcd.endpoints, "contact_age_s": round(time.monotonic() - self.last_contact, 3),

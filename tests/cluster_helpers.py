@@ -202,8 +202,12 @@ class Streams(threading.Thread):
     """``workers`` threads streaming completions through ``url`` with the openai SDK; each stream's
     text is checked against the undisturbed greedy run (``expected``) and its arrival times kept."""
 
-    def __init__(self, url: str, expected: dict[str, str], *, workers: int = 3, max_tokens: int = 24) -> None:
+    def __init__(self, url: str, expected: dict[str, str], *, workers: int = 3, max_tokens: int = 24,
+                 max_retries: int = 0) -> None:
         super().__init__(daemon=True)
+        # 0: every error counts. The SDK's default (2) re-sends a request that got no response
+        # (never a stream already under way): what an application using the SDK as shipped sees.
+        self.max_retries = max_retries
         self.url, self.expected, self.workers, self.max_tokens = url, expected, workers, max_tokens
         self.ok = 0
         self.failures: list[str] = []
@@ -224,7 +228,7 @@ class Streams(threading.Thread):
     def _worker(self, i: int) -> None:
         from openai import OpenAI
 
-        client = OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        client = OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=self.max_retries, timeout=60)
         n = 0
         while not self._halt.is_set():
             prompt = PROMPTS[(i + n) % len(PROMPTS)]
