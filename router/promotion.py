@@ -287,8 +287,14 @@ class Promoter:
 
     # -- planned operations -------------------------------------------------------------------
     async def switchover(self, service: Service, to: str | None) -> dict:
-        """Planned promotion: switch first (no blackout), then let the old primary drain."""
-        self._local_only("a planned switchover")
+        """Planned promotion: switch first (no blackout), then let the old primary drain. In a
+        cluster: a CAS in etcd; the old primary is fenced (its requests resume on the new one)."""
+        if not self.roles.decides_locally:
+            old, new = service.primary, self._pick_target(service, to)
+            if not await self.roles.claim_planned(service.name, new.name) or service.primary is not new:
+                raise AdminError(409, "etcd did not take the switchover: another router changed the primary "
+                                 "meanwhile, or etcd cannot be written", "cluster")
+            return {"service": service.name, "primary": new.name, "previous": old.name if old else None}
         async with service.lock:
             old = service.primary
             new = self._pick_target(service, to)

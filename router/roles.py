@@ -151,6 +151,15 @@ class EtcdRoles:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def claim_planned(self, service: str, new: str) -> bool:
+        """An operator's switchover: replace the holder even though it is alive; True when won."""
+        while service in self._busy:
+            await asyncio.sleep(0.01)
+        self._busy.add(service)
+        holder = self.holders.get(service) or Holder(None, 0)
+        await self._claim(service, new, "planned", self.to_local(holder.instance))
+        return (self.holders.get(service) or Holder(None, 0)).instance == self.to_cluster(new)
+
     async def _claim(self, service: str, new: str, reason: str, failed: str | None) -> None:
         assert self.claims is not None, "EtcdRoles.claims is set by the Promoter"
         try:

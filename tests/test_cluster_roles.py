@@ -94,6 +94,15 @@ async def test_two_routers_seeing_the_same_failure_promote_exactly_one(etcd, eng
             # the loser fenced the old primary too: neither routes to it
             for r in (r1, r2):
                 assert r.services["tiny"].instances[first].fenced
+            # a planned switchover through one router: one more CAS, and the other router follows
+            second = routed(r1)
+            third = next(n for n in r1.services["tiny"].instances if n not in (first, second))
+            await wait_for(lambda: r1.services["tiny"].instances[third].ready, 20, "the third standby ready")
+            result = await r1.promote("tiny", to=third)
+            assert result["primary"] == third and result["previous"] == second
+            await wait_for(lambda: routed(r2) == third, 10, "the peer to follow the switchover")
+            key = await client.get(f"{PREFIX}primary/tiny")
+            assert key.version == 3 and json.loads(key.value)["instance"] == third
     finally:
         await client.revoke(lease)
         await client.close()
