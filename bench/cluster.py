@@ -24,9 +24,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import signal
 import statistics
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -141,12 +143,18 @@ def main() -> int:
     print(f"date {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; machine {platform.node()} "
           f"{platform.machine()} {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; "
           f"{version(ETCD, '--version')}; {version(HAPROXY, '-v')}")
-    model = a.model
+    model, scratch = a.model, None
     if model is None:
         from failover.tools.tiny_model import TinySpec, write_checkpoint
 
-        model = write_checkpoint(Path("/tmp/fo-bench-cluster-tiny"), TinySpec(shards=1))
-    rig = Rig(model, ttl=a.ttl)
+        scratch = Path(tempfile.mkdtemp(prefix="fo-bench-cluster-"))
+        model = write_checkpoint(scratch, TinySpec(shards=1))
+    try:
+        rig = Rig(model, ttl=a.ttl)
+    except BaseException:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
     node = {"stall": [], "first": [], "failed": 0, "mismatch": 0, "requests": 0, "split": 0, "errors": []}
     router = {"stall": [], "cut": 0, "failed": 0, "mismatch": 0, "requests": 0, "split": 0, "errors": []}
     frozen = {"promoted": [], "lease_gone": [], "stall": [], "failed": 0, "mismatch": 0, "requests": 0, "split": 0}
@@ -160,6 +168,8 @@ def main() -> int:
                   f"lease gone {frozen['lease_gone'][-1] * 1e3:.0f} ms", flush=True)
     finally:
         rig.close()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     inter = rig.front.inter_ms
     print(f"\n{a.rounds} rounds each, TTL {a.ttl} s, front check every {inter} ms, client = openai SDK streams")
     print(f"node kill -9   : longest stall {fmt(node['stall'])}; first chunk after the kill "
