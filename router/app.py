@@ -38,7 +38,7 @@ log = structlog.get_logger(__name__)
 
 
 class Router:
-    def __init__(self, config: RouterConfig, launcher: Launcher | None = None) -> None:
+    def __init__(self, config: RouterConfig, launcher: Launcher | None = None, roles=None) -> None:
         self.config = config
         self.launcher = launcher if launcher is not None else NullLauncher()
         self.services: dict[str, Service] = {}
@@ -48,7 +48,8 @@ class Router:
                                     lambda inst, lag: self.metrics.probes_discounted.labels(inst.service, inst.name).inc())
         # Without a launcher nobody relaunches a fenced instance: it goes to STOPPED, not RELAUNCHING.
         self.promoter = Promoter(config, self.services, self.launcher, launcher is not None,
-                                 self.metrics, self.health.confirm)
+                                 self.metrics, self.health.confirm, roles)
+        self.cluster = None  # a router.cluster.ClusterView when roles are decided in etcd
         self.proxy = Proxy(config, self.services, self.promoter, self.metrics)
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
@@ -211,8 +212,11 @@ class Router:
 
     # -- operations (admin API and supervisor) -------------------------------------------------
     def status(self) -> dict:
-        return {"services": [svc.as_json() for svc in self.services.values()],
-                "last_failover": self.promoter.last_failover}
+        doc = {"services": [svc.as_json() for svc in self.services.values()],
+               "last_failover": self.promoter.last_failover}
+        if self.cluster is not None:
+            doc["cluster"] = self.cluster.as_json()
+        return doc
 
     async def promote(self, service: str, to: str | None = None) -> dict:
         return await self.promoter.switchover(self._service(service), to)
@@ -282,6 +286,8 @@ class Router:
         # 2. Stop probing, so no verdict fences or promotes anything mid-shutdown.
         await self.health.stop()
         await self.lag.stop()
+        if self.cluster is not None:  # and leave the cluster: peers see this router's record go
+            await self.cluster.stop()
         # 3. Close the listener, let in-flight requests finish (shutdown_timeout), cancel the rest.
         await self._runner.cleanup()
         self._runner = self._site = None
@@ -302,7 +308,8 @@ class Router:
         return web.json_response({"alive": True})
 
     async def _ready(self, request: web.Request) -> web.Response:
-        ready = {name: svc.routable() is not None for name, svc in self.services.items()}
+        serves = self.cluster.serves if self.cluster is not None else lambda svc: svc.routable() is not None
+        ready = {name: serves(svc) for name, svc in self.services.items()}
         ok = bool(ready) and all(ready.values())
         return web.json_response({"ready": ok, "services": ready}, status=200 if ok else 503)
 

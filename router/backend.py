@@ -238,6 +238,7 @@ class Service:
         self.queue_size = queue_size
         self.waiting = 0
         self.closing = False
+        self.held: str | None = None  # why routing is held (a cluster router that lost etcd)
         self.lock = asyncio.Lock()  # serialises planned switchovers and drains
         self._available = asyncio.Event()
         self.adapter = None  # its engine kind's migration (router/adapters); None: our engine's
@@ -248,7 +249,7 @@ class Service:
 
     def routable(self) -> Instance | None:
         p = self.primary
-        if p is not None and p.role in states.ROUTABLE and p.ready and not p.suspect and not p.fenced:
+        if p is not None and self.held is None and p.role in states.ROUTABLE and p.ready and not p.suspect and not p.fenced:
             return p
         return None
 
@@ -294,5 +295,5 @@ class Service:
 
     def as_json(self) -> dict:
         return {"name": self.name, "primary": self.primary.name if self.primary else None,
-                "ready": self.routable() is not None, "queued": self.waiting,
+                "ready": self.routable() is not None, "queued": self.waiting, "held": self.held,
                 "instances": [i.as_json() for i in self.instances.values()]}

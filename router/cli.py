@@ -5,24 +5,34 @@
 Detection is HTTP only (probes and failed requests); fencing means never routing to the instance
 again. The first --backend is the primary; further --backend and every --standby are standbys.
 ``--service`` names the service (default: "default"); requests go to it whatever their ``model``.
+
+    failover router --etcd http://10.0.0.5:2379,http://10.0.0.6:2379 --host 0.0.0.0 --port 8000
+
+With ``--etcd`` the router is a peer of a cluster (docs/cluster.md): it learns the instances and the
+primaries of every service from etcd watches, and promotes only by a compare-and-swap there.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
 import structlog
 
+from failover_common.etcd import Etcd
 from failover_common.logs import configure_logging
 from router import evloop
 from router.admin import TokenFileError
 from router.app import Router
 from router.adapters import ENGINES
+from router.cluster import join
 from router.config import RouterConfig
+from router.roles import EtcdRoles
 
 log = structlog.get_logger(__name__)
 
@@ -78,6 +88,13 @@ def parser() -> argparse.ArgumentParser:
                         "asking for a replacement (seconds, default: %(default)s)")
     p.add_argument("--loop", choices=evloop.KINDS, default="auto",
                    help="event loop: uvloop when installed (auto), or force one (default: %(default)s)")
+    p.add_argument("--etcd", action="append", default=[], metavar="URL[,URL...]",
+                   help="etcd endpoints: be a peer router of that cluster (no --backend needed)")
+    p.add_argument("--cluster", default="default", help="cluster name in etcd (default: %(default)s)")
+    p.add_argument("--router-id", default=None, help="this router's name in etcd (default: host-pid)")
+    p.add_argument("--ttl", type=int, default=5,
+                   help="lease TTL in seconds; also how long routing goes on without etcd (default: %(default)s)")
+    p.add_argument("--advertise", default=None, help="URL under which peers and `failover status` see it")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -85,9 +102,16 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     p, d = parser(), RouterConfig()
     args = p.parse_args(argv)
-    if not args.backend:
+    if not args.backend and not args.etcd:
         p.print_usage(sys.stderr)
-        print("failover router: give at least one --backend NAME=URL", file=sys.stderr)
+        print("failover router: give at least one --backend NAME=URL (or --etcd ENDPOINTS)", file=sys.stderr)
+        return 2
+    if args.backend and args.etcd or args.standby and args.etcd:
+        print("failover router: with --etcd the instances come from etcd; drop --backend/--standby",
+              file=sys.stderr)
+        return 2
+    if args.ttl < 1:
+        print(f"failover router: --ttl must be at least 1 s, not {args.ttl}", file=sys.stderr)
         return 2
     names = [n for n, _ in args.backend + args.standby]
     if len(set(names)) != len(names):
@@ -122,19 +146,33 @@ def main(argv: list[str]) -> int:
 
 
 async def _serve(config: RouterConfig, args: argparse.Namespace) -> int:
-    router = Router(config, launcher=None)
-    (first, url), *rest = args.backend
-    kind = {"engine": args.engine, "probe_path": args.probe_path}
-    router.add_instance(args.service, first, url, "primary", **kind)
-    for name, url in rest + args.standby:
-        router.add_instance(args.service, name, url, "standby", **kind)
+    etcd = view = None
+    if args.etcd:
+        etcd = Etcd([ep for arg in args.etcd for ep in arg.split(",") if ep])
+        rid = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
+        roles = EtcdRoles(etcd, args.cluster, rid)
+        router = Router(config, launcher=None, roles=roles)
+        view = join(router, etcd, roles, directory=True, ttl=args.ttl,
+                    url=args.advertise or f"http://{config.host}:{config.port}")
+    else:
+        router = Router(config, launcher=None)
+        (first, url), *rest = args.backend
+        kind = {"engine": args.engine, "probe_path": args.probe_path}
+        router.add_instance(args.service, first, url, "primary", **kind)
+        for name, url in rest + args.standby:
+            router.add_instance(args.service, name, url, "standby", **kind)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await router.start()
+    if view is not None:
+        view.url = args.advertise or router.url
+        view.start()
     print(f"failover router listening on {router.url} ({evloop.name(args.loop)})", file=sys.stderr, flush=True)
     await stop.wait()
     log.info("router_stopping")
     await router.stop()
+    if etcd is not None:
+        await etcd.close()
     return 0

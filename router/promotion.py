@@ -25,6 +25,7 @@ from router.errors import AdminError
 from router.health import PROBE_TIMEOUT  # fails a primary only when a ready standby can take over
 from router.launcher import Launcher
 from router.metrics import Metrics
+from router.roles import LocalRoles, RoleStore
 
 log = structlog.get_logger(__name__)
 
@@ -48,8 +49,10 @@ class PendingFailover:
 
 class Promoter:
     def __init__(self, config: RouterConfig, services: dict[str, Service], launcher: Launcher,
-                 relaunches: bool, metrics: Metrics, confirm: Callable[[Instance], None]) -> None:
+                 relaunches: bool, metrics: Metrics, confirm: Callable[[Instance], None],
+                 roles: RoleStore | None = None) -> None:
         self.config = config
+        self.roles = roles if roles is not None else LocalRoles()  # who decides (router/roles.py)
         self.services = services
         self.launcher = launcher
         self.relaunches = relaunches  # False: standalone, a fenced instance is stopped for good
@@ -186,7 +189,7 @@ class Promoter:
             service.primary = None
             self.pending[service.name] = PendingFailover(inst.name, reason, inst.last_ok or now, now)
             self.metrics.failovers.labels(service.name, reason).inc()
-            self.promote_best(service, reason)
+            self.promote_best(service, reason, failed=inst.name)
         service.refresh()
         self.spawn(self._fence_and_replace(inst, launcher_fence), f"fence-{inst.name}")
 
@@ -226,18 +229,25 @@ class Promoter:
         except Exception as exc:  # noqa: BLE001 - a launcher bug must not take the router down
             log.error("launcher_failed", action=action, target=target, error=repr(exc))
 
-    def best_standby(self, service: Service, exclude: Instance | None = None) -> Instance | None:
+    def best_standby(self, service: Service, exclude: Instance | None = None,
+                     failed: str | None = None) -> Instance | None:
         ready = [i for i in service.standbys() if i.ready and not i.suspect and not i.fenced and i is not exclude]
         if not ready:
             return None
-        # Healthiest: fewest recent failures, then the quickest probe answer.
-        return min(ready, key=lambda i: (i.failures, i.probe_latency or 0.0))
+        # The role store's preference first (in a cluster: away from a suspect node), then the
+        # healthiest: fewest recent failures, then the quickest probe answer.
+        return min(ready, key=lambda i: (self.roles.rank(i.name, failed), i.failures, i.probe_latency or 0.0))
 
-    def promote_best(self, service: Service, reason: str) -> Instance | None:
-        new = self.best_standby(service)
+    def promote_best(self, service: Service, reason: str, failed: str | None = None) -> Instance | None:
+        """Switch to the best ready standby; with a cluster role store, claim it first (the switch
+        follows the claim's answer, see router/peering.py) and return None."""
+        new = self.best_standby(service, failed=failed)
         if new is None:
             log.error("no_ready_standby", service=service.name, reason=reason,
                       hint="requests wait up to the queue deadline for a standby to become ready")
+            return None
+        if not self.roles.decides_locally:
+            self.roles.claim(service.name, new.name, reason, failed)
             return None
         self._switch(service, new, reason)
         return new
@@ -277,7 +287,14 @@ class Promoter:
 
     # -- planned operations -------------------------------------------------------------------
     async def switchover(self, service: Service, to: str | None) -> dict:
-        """Planned promotion: switch first (no blackout), then let the old primary drain."""
+        """Planned promotion: switch first (no blackout), then let the old primary drain. In a
+        cluster: a CAS in etcd; the old primary is fenced (its requests resume on the new one)."""
+        if not self.roles.decides_locally:
+            old, new = service.primary, self._pick_target(service, to)
+            if not await self.roles.claim_planned(service.name, new.name) or service.primary is not new:
+                raise AdminError(409, "etcd did not take the switchover: another router changed the primary "
+                                 "meanwhile, or etcd cannot be written", "cluster")
+            return {"service": service.name, "primary": new.name, "previous": old.name if old else None}
         async with service.lock:
             old = service.primary
             new = self._pick_target(service, to)
@@ -293,6 +310,11 @@ class Promoter:
                     self.set_role(old, states.STANDBY, "switchover done", drain_ms=(time.monotonic() - t0) * 1e3)
             return {"service": service.name, "primary": new.name,
                     "previous": old.name if old else None, "drained": drained}
+
+    def _local_only(self, what: str) -> None:
+        if not self.roles.decides_locally:
+            raise AdminError(409, f"{what} is not done through etcd yet: the cluster's primary changes "
+                             "only on a failure (docs/cluster.md)", "cluster")
 
     def _pick_target(self, service: Service, to: str | None) -> Instance:
         if to is None:
@@ -315,6 +337,7 @@ class Promoter:
         async with service.lock:
             t0 = time.monotonic()
             if inst.role == states.PRIMARY:
+                self._local_only("draining the primary")
                 new = self.best_standby(service, exclude=inst)
                 if new is None:
                     raise AdminError(409, f"{inst.name} is the primary of {service.name!r} and no ready "

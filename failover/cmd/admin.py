@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from failover.cluster.status import cluster_lines
 from failover.config.schema import ConfigError, load_config
 
 
@@ -131,6 +132,8 @@ def render_table(doc: dict) -> str:
             lines.append(f"service {svc.get('name')}: {state}")
         if isinstance(svc.get("batch"), dict):
             lines.append(batch_line(svc["name"], svc["batch"]))
+    if isinstance(doc.get("cluster"), dict):
+        lines += ["", *cluster_lines(doc["cluster"])]
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ def engine_argv(config: Config, svc: ServiceConfig, port: int, kv_bytes: int) ->
     m = config.model
     cap = ["--max-model-len", str(svc.max_model_len)] if svc.max_model_len else []
     return [*cap, "--model", m.path, "--weights", "cache", "--socket", str(config.daemon_socket),
-            "--host", "127.0.0.1", "--port", str(port), "--tp", str(m.tp), "--device", m.device,
+            "--host", config.engine_host, "--port", str(port), "--tp", str(m.tp), "--device", m.device,
             "--dtype", m.dtype, "--transform", m.transform, "--kv-memory", str(kv_bytes),
             "--max-batch", str(svc.max_batch), "--served-model-name", svc.name,
             # a batch engine is evicted, not drained: its runner re-sends whatever was cut off
@@ -31,7 +31,7 @@ def external_argv(config: Config, svc: ServiceConfig, name: str, port: int) -> l
     """An external engine's command template (``service.command``) filled in."""
     assert svc.command is not None
     m = config.model
-    values = {"model": m.path, "host": "127.0.0.1", "port": port, "name": name, "service": svc.name,
+    values = {"model": m.path, "host": config.engine_host, "port": port, "name": name, "service": svc.name,
               "socket": config.daemon_socket, "tp": m.tp, "dtype": m.dtype, "device": m.device,
               "transform": m.transform, "kv_memory": svc.kv_memory_bytes, "run_dir": config.run_dir}
     return [part.format(**values) for part in svc.command]

@@ -29,7 +29,7 @@ def preflight(config: Config) -> None:
         problems += _check_memory(config)
     ports = [("router.port", config.router.host, config.router.port)]
     for i, svc in enumerate(config.service):
-        ports += [(f"service[{i}] ({svc.name})", "127.0.0.1", p) for p in svc.ports]
+        ports += [(f"service[{i}] ({svc.name})", config.engine_host, p) for p in svc.ports]
     for key, host, port in ports:
         if not port_is_free(port, host):
             problems.append(f"{key}: port {port} is in use on {host}; stop what holds it or choose another port")

@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from failover.config.engine_checks import check_engine, check_template
 from failover.config.errors import explain, unknown_key
 from failover_common.sizes import parse_size
 
@@ -26,8 +27,6 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 DTYPES = ("float32", "bfloat16", "float16")
-TEMPLATE_FIELDS = ("model", "host", "port", "name", "service", "socket", "tp", "dtype", "device",
-                   "transform", "kv_memory", "run_dir")
 
 
 class ConfigError(Exception):
@@ -172,13 +171,29 @@ class ServiceConfig(_Base):
         return [f"{self.name}-{i}" for i in range(self.instances)]
 
 
+class ClusterConfig(_Base):
+    """``[cluster]``: this node is one of several; roles are decided in etcd (docs/cluster.md)."""
+
+    etcd: list[str]  # endpoints, e.g. ["http://10.0.0.5:2379", "http://10.0.0.6:2379"]
+    node: str  # this node's name in the cluster, unique
+    ttl: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 5  # lease TTL (s): a node silent this long is out
+    name: str = "default"  # the cluster's name: its keys live under /failover/<name>/
+    host: str = "127.0.0.1"  # the address this node's engines listen on and are reached at
+
+
 class Config(_Base):
     run_dir: str
     model: ModelConfig
     service: list[ServiceConfig]
     router: RouterConfig = RouterConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
+    cluster: ClusterConfig | None = None
     source: str = ""  # the file it came from (set by load_config, not by the user)
+
+    @property
+    def engine_host(self) -> str:
+        """Where engines listen: loopback on one node; the node's cluster address in a cluster."""
+        return self.cluster.host if self.cluster is not None else "127.0.0.1"
 
     @property
     def run_path(self) -> Path:
@@ -227,10 +242,23 @@ def parse_config(raw: dict, *, source: str = "<config>") -> Config:
         config = msgspec.convert(raw, Config)
     except msgspec.ValidationError as e:
         raise ConfigError(source, [explain(str(e), Config)]) from None
-    problems = _check_services(config) + _check_router(config.router)
+    problems = _check_services(config) + _check_router(config.router) + _check_cluster(config.cluster)
     if problems:
         raise ConfigError(source, problems)
     return msgspec.structs.replace(config, source=source)
+
+
+def _check_cluster(c: ClusterConfig | None) -> list[str]:
+    if c is None:
+        return []
+    problems = []
+    if not c.etcd:
+        problems.append("cluster.etcd: give at least one endpoint, e.g. [\"http://127.0.0.1:2379\"]")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", c.node):
+        problems.append(f"cluster.node: {c.node!r} must be 1-63 letters, digits, '.', '_' or '-'")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", c.name):
+        problems.append(f"cluster.name: {c.name!r} must be 1-63 letters, digits, '.', '_' or '-'")
+    return problems
 
 
 def _check_router(r: RouterConfig) -> list[str]:
@@ -291,8 +319,8 @@ def _check_services(config: Config) -> list[str]:
         if svc.batch is not None:
             problems += _check_batch(f"{key}.batch", svc, config.service)
         if svc.command is not None:
-            problems += _check_template(key, svc.command)
-        problems += _check_engine(key, svc)
+            problems += check_template(key, svc.command)
+        problems += check_engine(key, svc)
         if (svc.port is None) == (svc.port_range is None):
             problems.append(f"{key}: set exactly one of port (first port) or port_range ([first, last])")
             continue
@@ -339,37 +367,9 @@ def _check_batch(key: str, svc: ServiceConfig, services: list[ServiceConfig]) ->
     return problems
 
 
-def _check_engine(key: str, svc: ServiceConfig) -> list[str]:
-    if svc.engine == "failover":
-        unused = [k for k in ("engine_args", "engine_python", "engine_env") if getattr(svc, k)]
-        return [f"{key}.{k}: only for engine = \"vllm\"; remove it (or set engine)" for k in unused]
-    problems = []
-    if svc.command is not None:
-        problems.append(f"{key}.command: engine = {svc.engine!r} builds its own command line; remove command "
-                        "(extra flags go in engine_args)")
-    owned = {"--model", "--port", "--host", "--served-model-name", "--kv-cache-memory-bytes"}
-    for arg in svc.engine_args:
-        if arg.split("=", 1)[0] in owned:
-            problems.append(f"{key}.engine_args: {arg!r} is set by the supervisor (from model.path, the "
-                            "service's name, port and kv_memory); remove it")
-    return problems
-
-
 def watched_services(svc: ServiceConfig, services: list[ServiceConfig]) -> list[str]:
     """The online services whose load preempts batch service ``svc``."""
     assert svc.batch is not None
     if svc.batch.watch is not None:
         return list(svc.batch.watch)
     return [s.name for s in services if s.kind == "online" and s.priority > svc.priority]
-
-
-def _check_template(key: str, command: list[str]) -> list[str]:
-    problems = []
-    if not command:
-        problems.append(f"{key}.command: empty; give an argv list such as [\"vllm\", \"serve\", \"{{model}}\", \"--port\", \"{{port}}\"]")
-    for part in command:
-        for field in re.findall(r"{([^{}]*)}", part):
-            if field not in TEMPLATE_FIELDS:
-                problems.append(f"{key}.command: unknown placeholder {{{field}}}; allowed: "
-                                + ", ".join("{%s}" % f for f in TEMPLATE_FIELDS))
-    return problems

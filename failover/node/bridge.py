@@ -53,8 +53,8 @@ class NodeRouter(Router):
 
     def __init__(self, config: RouterConfig, launcher: NodeLauncher, *, describe: Callable[[dict], dict],
                  before_resume: Callable[[str], Awaitable[dict | None]],
-                 retire: Callable[[str], bool]) -> None:
-        super().__init__(config, launcher)
+                 retire: Callable[[str], bool], roles=None) -> None:
+        super().__init__(config, launcher, roles)
         self._describe, self._before_resume, self._retire = describe, before_resume, retire
 
     def status(self) -> dict:

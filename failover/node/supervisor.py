@@ -16,7 +16,6 @@ the run dir's files (``failover.node.run_dir``). ``stop()`` leaves none of them 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
 from typing import Callable
@@ -24,6 +23,7 @@ from typing import Callable
 import aiohttp
 import structlog
 
+from failover.cluster.node import NodeCluster
 from failover.config.schema import Config, ServiceConfig
 from failover.coserve.coserver import Coserver, NodeHooks
 from failover.coserve.job import DONE, ResumeRefused
@@ -35,6 +35,7 @@ from failover.config.kv import standby_bytes
 from failover.node.engine_kinds import kind_of, needs_cache
 from failover.node.engines import EngineStarter
 from failover.node.kv_pools import PoolSizer
+from failover.node import status_view
 from failover.node.run_dir import RunDir
 from failover.procs.slots import Slot
 from failover.procs import child as processes
@@ -57,7 +58,7 @@ class Supervisor:
         self.progress = progress or (lambda text: None)
         self.services: dict[str, ServiceConfig] = {s.name: s for s in config.service}
         self.slots: dict[str, Slot] = {
-            name: Slot(svc.name, name, port)
+            name: Slot(svc.name, name, port, host=config.engine_host)
             for svc in config.service for name, port in zip(svc.slot_names(), svc.ports)}
         self.failed: dict[str, str] = {}  # service -> why it was given up
         self.policy = RestartPolicy(self.sup)
@@ -74,8 +75,11 @@ class Supervisor:
         self.engines = EngineStarter(config, self.zygote, child_output=child_output, progress=self.progress)
         self.pools = PoolSizer(config.engine_token_path, lambda: self.engines.session, self._make_room)
         launcher = NodeLauncher(fence=self.fence, is_batch=self.is_batch, preempt=self.preempt, resume=self.resume)
+        self.cluster = NodeCluster(config, self.slots) if config.cluster else None  # roles in etcd
         self.router = NodeRouter(router_config(config), launcher, describe=self._describe,
-                                 before_resume=self._before_resume, retire=self._retire)
+                                 before_resume=self._before_resume, retire=self._retire,
+                                 roles=self.cluster.roles if self.cluster else None)
+        self.cluster and self.cluster.attach(self.router)
         self.router.watch_roles(self._role_changed)
         self.kv_grown: dict[str, float] = {}  # instance -> ms from its promotion to its full pool
         # batch services: their runners and when they get out of the way
@@ -113,8 +117,10 @@ class Supervisor:
         for svc in self.config.service:
             for i, name in enumerate(svc.slot_names()):
                 if not self.slots[name].hold:
-                    self._register(self.slots[name], states.PRIMARY if i == 0 else states.STANDBY)
+                    first = i == 0 and self.cluster is None  # in a cluster etcd names the primary
+                    self._register(self.slots[name], states.PRIMARY if first else states.STANDBY)
         await self.router.start()
+        self.cluster and self.cluster.start()
         self.serving = True
         for dog in self.watchdogs:
             self.background(dog.run(), dog.event)
@@ -338,46 +344,18 @@ class Supervisor:
         return None
 
     def _describe(self, doc: dict) -> dict:
-        """The router's status plus the node's: per-instance uptime and weight source, slots,
-        daemon, zygote, failed services, batch progress."""
-        now = time.monotonic()
-        for svc in doc["services"]:
-            if svc["name"] in self.failed:
-                svc["state"] = "failed: " + self.failed[svc["name"]]
-            if svc["name"] in self.coserve.jobs:
-                svc["batch"] = self.coserve.jobs[svc["name"]].progress()
-            for inst in svc["instances"]:
-                slot = self.slots.get(inst["name"])
-                if slot is not None and slot.pid is not None and slot.launched_at is not None:
-                    inst["uptime_s"] = round(now - slot.launched_at, 1)
-                    inst["weights_source"] = slot.ready_info.get("weights_source")
-                    inst["kv_bytes"], inst["kv_target_bytes"] = slot.kv_bytes, slot.kv_target
-        for record in (doc.get("last_failover") or {}).values():
-            grown = self.kv_grown.get(record.get("new"))
-            if grown is not None:
-                record["kv_grown_ms"] = grown
-        doc["supervisor"] = self.status()
-        return doc
+        return status_view.describe(self, doc)
 
     def status(self) -> dict:
-        zyg, daemon = self.zygote, self.daemon
-        return {
-            "pid": os.getpid(), "uptime_s": round(time.monotonic() - self.started_at, 1),
-            "launch": self.sup.launch,
-            "daemon": {"managed": daemon.managed, "ready": daemon.ready,
-                       "pid": daemon.child.pid if daemon.child and daemon.child.alive else None,
-                       "restarts": daemon.restarts, "incidents": daemon.incidents[-5:]},
-            "zygote": {"pid": zyg.child.pid if zyg.alive else None, "restarts": max(zyg.restarts, 0)},
-            "failed": dict(self.failed),
-            "slots": [slot.as_json() for slot in self.slots.values()],
-            "batch": self.coserve.status(),
-        }
+        return status_view.node_status(self)
 
     # -- stop ------------------------------------------------------------------------------------
     async def stop(self) -> None:
         """Ordered shutdown; each step bounded by its timeout, nothing left behind."""
         self.stopping = True
         self.engines.cold = True
+        if self.cluster is not None:  # 0. leave the cluster: its peers fail this node's primary over now
+            await self.cluster.leave()
         # 1. No more replacements or restarts.
         tasks = [*(s.task for s in self.slots.values() if s.task is not None), *self._bg]
         for task in tasks:
@@ -398,4 +376,5 @@ class Supervisor:
         self._reap_orphans()
         # A managed node owns its run dir (also one a crashed run left); an external daemon lives there.
         self.run_dir.clean(owns_dir=self.daemon.managed)
+        self.cluster and await self.cluster.close()
         log.info("supervisor_stopped")

@@ -78,10 +78,11 @@ class Slot:
     then: str = HOLD  # what the exit of the process being stopped means (HOLD, RECYCLE, FAIL)
     kv_bytes: int | None = None  # its engine's KV pool now (from /ready, then each resize)
     kv_target: int | None = None  # the pool its role calls for (failover.node.kv_pools)
+    host: str = "127.0.0.1"  # where its engine listens (Config.engine_host)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int | None:

@@ -1,0 +1,162 @@
+"""The node's side of the cluster: its lease, its records, and its router following etcd.
+
+``NodeCluster`` is built by the supervisor when the config has a ``[cluster]`` table:
+
+- the node router decides through ``EtcdRoles`` (a claim is a compare-and-swap in etcd) and follows
+  the primary keys (``router.cluster.ClusterView``, without the directory: a node router knows its
+  own instances only). An instance that loses the primary key is fenced by the router's usual path:
+  no more requests, in-flight ones aborted, and the supervisor's ``fence`` kills the engine if it still
+  runs; its exit relaunches it locally as a standby, against the node's own resident weights.
+- the registration: a lease of ``ttl`` seconds kept alive every ``ttl/4``; under it the node record
+  (heartbeat time, supervisor pid, router URL) and one record per instance slot (URL, role, readiness,
+  pid, the model fingerprint), rewritten when they change. A node that dies or freezes past the TTL
+  loses them all at once; the peer routers then fail its primary over. A node that finds its lease
+  gone (it was frozen) registers again under a new one; its instances come back as standbys.
+
+Ownership: it owns its etcd client (closed in ``close()``) and its lease (revoked in ``leave()``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import structlog
+
+from cache_daemon.fingerprint import model_identity
+from failover.config.schema import Config
+from failover.procs.slots import Slot
+from failover_common.etcd import Etcd, EtcdError, EtcdUnavailable, LeaseLost
+from router.cluster import ClusterView, join
+from router.roles import EtcdRoles, cluster_prefix, instance_id
+
+log = structlog.get_logger(__name__)
+
+
+def fingerprint(config: Config) -> dict:
+    """What the node's weights are, for the records (the daemon compares the full fingerprint)."""
+    m = config.model
+    try:
+        identity = model_identity(Path(m.path).resolve())
+    except (OSError, ValueError) as exc:  # the daemon reports the real error; the record says unknown
+        identity = f"unknown: {exc}"
+    doc = {"model": m.path, "identity": identity, "dtype": m.dtype, "tp": m.tp,
+           "transform": m.transform, "device": m.device}
+    doc["key"] = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:12]
+    return doc
+
+
+class NodeCluster:
+    def __init__(self, config: Config, slots: dict[str, Slot]) -> None:
+        assert config.cluster is not None
+        self.config, self.c, self.slots = config, config.cluster, slots
+        self.etcd = Etcd(self.c.etcd, timeout=max(0.2, min(1.0, self.c.ttl / 4)))
+        self.roles = EtcdRoles(self.etcd, self.c.name, router_id=f"node-{self.c.node}", node=self.c.node)
+        self.prefix = cluster_prefix(self.c.name)
+        self.view: ClusterView | None = None
+        self.router = None
+        self.lease = 0
+        self.registered_at: float | None = None  # wall clock of the current lease's grant
+        self.registrations = 0
+        self.published: dict[str, str] = {}  # key -> value last written under the current lease
+        self.changed = asyncio.Event()
+        self.fingerprint = fingerprint(config)
+        self._task: asyncio.Task | None = None
+
+    def attach(self, router) -> None:
+        """``router`` was built with ``roles=self.roles``; follow etcd and republish on role changes."""
+        self.router = router
+        self.view = join(router, self.etcd, self.roles, directory=False, ttl=self.c.ttl,
+                         url=self.config.router_url)
+        router.watch_roles(lambda *_: self.changed.set())
+
+    def start(self) -> None:
+        assert self.view is not None, "attach() first"
+        self.view.start()
+        self._task = asyncio.ensure_future(self._register())
+        self._task.set_name("etcd-register")
+
+    # -- records --------------------------------------------------------------------------------
+    def node_record(self) -> dict:
+        return {"node": self.c.node, "host": self.c.host, "router": self.config.router_url,
+                "supervisor_pid": os.getpid(), "registered_at": self.registered_at,
+                "registrations": self.registrations, "ttl": self.c.ttl, "at": time.time()}
+
+    def instance_record(self, slot: Slot) -> dict:
+        inst = self.router._find(slot.name) if self.router is not None else None
+        return {"service": slot.service, "slot": slot.name, "node": self.c.node, "url": slot.url,
+                "role": inst.role if inst is not None else "starting",
+                "ready": bool(inst is not None and inst.serving_ready),
+                "pid": inst.pid if inst is not None and inst.role in ("primary", "standby") else None,
+                "state": slot.state, "fingerprint": self.fingerprint["key"]}
+
+    def instance_key(self, slot: Slot) -> str:
+        return f"{self.prefix}instances/{slot.service}/{instance_id(slot.name, self.c.node)}"
+
+    async def _publish(self) -> None:
+        node_key = f"{self.prefix}nodes/{self.c.node}"
+        await self.etcd.put(node_key, json.dumps({**self.node_record(), "fingerprint": self.fingerprint}),
+                            self.lease)
+        for slot in self.slots.values():
+            key, value = self.instance_key(slot), json.dumps(self.instance_record(slot), sort_keys=True)
+            if self.published.get(key) != value:
+                await self.etcd.put(key, value, self.lease)
+                self.published[key] = value
+
+    async def _register(self) -> None:
+        interval = max(0.1, self.c.ttl / 4)
+        while True:
+            self.changed.clear()
+            try:
+                if not self.lease:
+                    self.lease = await self.etcd.grant(self.c.ttl)
+                    self.registered_at, self.published = time.time(), {}
+                    self.registrations += 1
+                    log.info("node_registered", node=self.c.node, lease=f"{self.lease:x}", ttl_s=self.c.ttl,
+                             registrations=self.registrations)
+                else:
+                    await self.etcd.keepalive(self.lease)
+                await self._publish()
+            except LeaseLost:
+                log.error("node_lease_lost", node=self.c.node,
+                          why="silent past the TTL (frozen, or cut off from etcd): the cluster dropped "
+                              "this node's instances; registering again, they come back as standbys")
+                self.lease = 0
+                continue
+            except EtcdUnavailable as exc:
+                log.warning("etcd_unreachable", node=self.c.node, error=str(exc))
+            except EtcdError as exc:
+                log.error("etcd_register_failed", node=self.c.node, error=str(exc))
+            try:
+                await asyncio.wait_for(self.changed.wait(), interval)
+            except TimeoutError:
+                pass
+
+    # -- leaving --------------------------------------------------------------------------------
+    async def leave(self) -> None:
+        """Clean shutdown, first step: revoke the lease, so the peers fail this node's primary over
+        now (its in-flight streams migrate) instead of after the TTL."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self.lease:
+            try:
+                await self.etcd.revoke(self.lease)
+                log.info("node_left", node=self.c.node)
+            except EtcdError as exc:
+                log.warning("node_leave_failed", node=self.c.node, error=str(exc),
+                            consequence=f"peers drop this node after its TTL ({self.c.ttl} s)")
+            self.lease = 0
+
+    async def close(self) -> None:
+        await self.etcd.close()
+
+    def status(self) -> dict:
+        return {"node": self.c.node, "lease": f"{self.lease:x}" if self.lease else None,
+                "registered_at": self.registered_at, "registrations": self.registrations,
+                "fingerprint": self.fingerprint}

@@ -1,0 +1,41 @@
+"""The rules of a service's engine: the engine kind's own keys, and a command engine's template.
+
+Split out of ``failover.config.schema`` (which calls these from ``parse_config``); ``svc`` is a
+``ServiceConfig``.
+"""
+
+from __future__ import annotations
+
+import re
+
+TEMPLATE_FIELDS = ("model", "host", "port", "name", "service", "socket", "tp", "dtype", "device",
+                   "transform", "kv_memory", "run_dir")
+
+
+def check_engine(key: str, svc) -> list[str]:
+    if svc.engine == "failover":
+        unused = [k for k in ("engine_args", "engine_python", "engine_env") if getattr(svc, k)]
+        return [f"{key}.{k}: only for engine = \"vllm\"; remove it (or set engine)" for k in unused]
+    problems = []
+    if svc.command is not None:
+        problems.append(f"{key}.command: engine = {svc.engine!r} builds its own command line; remove command "
+                        "(extra flags go in engine_args)")
+    owned = {"--model", "--port", "--host", "--served-model-name", "--kv-cache-memory-bytes"}
+    for arg in svc.engine_args:
+        if arg.split("=", 1)[0] in owned:
+            problems.append(f"{key}.engine_args: {arg!r} is set by the supervisor (from model.path, the "
+                            "service's name, port and kv_memory); remove it")
+    return problems
+
+
+
+def check_template(key: str, command: list[str]) -> list[str]:
+    problems = []
+    if not command:
+        problems.append(f"{key}.command: empty; give an argv list such as [\"vllm\", \"serve\", \"{{model}}\", \"--port\", \"{{port}}\"]")
+    for part in command:
+        for field in re.findall(r"{([^{}]*)}", part):
+            if field not in TEMPLATE_FIELDS:
+                problems.append(f"{key}.command: unknown placeholder {{{field}}}; allowed: "
+                                + ", ".join("{%s}" % f for f in TEMPLATE_FIELDS))
+    return problems

@@ -1,0 +1,158 @@
+"""Two nodes, two peer routers behind HAProxy, a real 3-member etcd cluster: the faults of issue 17.
+
+Node a listens on 127.0.0.2 and node b on 127.0.0.3, each its own `failover up` (run dir, ports,
+daemon, zygote, one engine). Routers r1 and r2 (`failover router --etcd`) sit behind one HAProxy TCP
+front that checks their /ready every 100 ms. Clients are the openai SDK, streaming greedy
+completions through the front; each stream is compared with the undisturbed greedy run.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from cluster_helpers import KEY, Rig, Streams, etcd_get, signal_all
+from etcd_helpers import ETCD, HAPROXY
+from supervisor_helpers import wait_until
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(ETCD is None or HAPROXY is None, reason="needs etcd-server and haproxy")]
+
+
+@pytest.fixture(scope="module")
+def rig(tiny_model):
+    r = Rig(tiny_model)
+    yield r
+    r.close()
+
+
+def assert_clean(streams: Streams) -> None:
+    assert not streams.failures, streams.failures[:5]
+    assert not streams.mismatches, streams.mismatches[:5]
+    assert streams.ok > 0
+
+
+def test_kill_9_of_the_primary_engine_fails_over_to_the_other_node(rig):
+    node = rig.node_of_primary()
+    before, rev = rig.primary(), rig.version()
+    old_pids = node.engine_pids()
+    s = rig.streaming()
+    signal_all(old_pids, signal.SIGKILL)
+    wait_until(lambda: rig.primary() != before, 20, "a promotion")
+    rig.settle()  # the killed engine is relaunched on its own node and rejoins as the standby
+    s.stop()
+    assert_clean(s)
+    assert rig.primary().endswith("@" + rig.other(node).name)
+    assert etcd_get(rig.etcd.endpoints, KEY)["mod_revision"] > rev
+    assert set(node.engine_pids()).isdisjoint(old_pids), "the standby is not a fresh process"
+    promotions = [p for r in rig.routers for p in r.status()["cluster"]["promotions"] if p["previous"] == before]
+    assert len(promotions) == 1, promotions  # two routers saw the failure; one promoted
+
+
+def test_failover_status_shows_nodes_instances_roles_and_routers(rig):
+    import subprocess
+    import sys
+
+    r = rig.routers[1]
+    out = subprocess.run([sys.executable, "-m", "failover", "status", "--url", r.url, "--token-file",
+                          str(r.token_path)], capture_output=True, text=True, timeout=30, check=True).stdout
+    primary = rig.primary()
+    for needle in ("NODE", "LEASE AGE", "127.0.0.2", "127.0.0.3", "chat-0@a", "chat-0@b", "r1", "r2",
+                   f"chat: {primary}"):
+        assert needle in out, f"{needle!r} missing from:\n{out}"
+    row = next(line for line in out.splitlines() if line.startswith("chat") and primary in line and "http" in line)
+    assert " primary " in row, row
+    node_out = subprocess.run([sys.executable, "-m", "failover", "status", "--config",
+                               str(rig.nodes["a"].config_path)], capture_output=True, text=True, timeout=30,
+                              check=True).stdout
+    assert "node-a" in node_out and "chat-0@b" in node_out, node_out
+
+
+def test_kill_9_of_one_router_the_front_carries_on(rig):
+    victim = rig.routers[0]
+    # The SDK's default retries: a keep-alive connection the front had pinned to the dead router
+    # fails on its next request, which the SDK re-sends (it never re-sends a stream under way).
+    s = rig.streaming(max_retries=2)
+    t_kill = time.monotonic()
+    victim.kill()
+    time.sleep(2.0)
+    s.stop()
+    # A TCP front cannot move a stream that was running through the dead router: those break.
+    # A request started after the kill is redispatched by the front (connect refused), never lost.
+    late = [f for f in s.failed_at if f[0] > t_kill]
+    assert not late, (late, s.failures)
+    assert not s.mismatches and s.ok > 0
+    assert len(s.failures) <= s.workers, f"more failures than streams in flight at the kill: {s.failures}"
+    assert s.longest_gap_after(t_kill) < 5.0
+    victim.start()
+    rig.settle()
+
+
+def test_kill_9_of_the_whole_primary_node_then_it_rejoins_as_standby(rig):
+    node = rig.node_of_primary()
+    before = rig.primary()
+    s = rig.streaming()
+    node.kill()
+    wait_until(lambda: rig.primary() != before, 20, "a promotion")
+    time.sleep(1.0)
+    s.stop()
+    assert_clean(s)
+    assert rig.primary().endswith("@" + rig.other(node).name)
+    node.start()
+    rig.settle()
+    assert rig.node_of_primary() is not node, "the restarted node took the primary back"
+
+
+def test_sigstop_of_a_whole_node_past_the_ttl_is_fenced_and_never_primary_again(rig):
+    node = rig.node_of_primary()
+    before = rig.primary()
+    old_engines = node.engine_pids()
+    s = rig.streaming()
+    pids = node.freeze()
+    try:
+        wait_until(lambda: rig.primary() != before, 20, "a promotion away from the frozen node")
+        wait_until(lambda: etcd_get(rig.etcd.endpoints, f"/failover/test/nodes/{node.name}") is None, 20,
+                   "the frozen node's lease to expire")
+        time.sleep(0.5)
+        s.stop()
+        assert_clean(s)
+    finally:
+        signal_all(pids, signal.SIGCONT)
+    # Back: it learns that its instance lost the primary key, fences it, registers again under a
+    # new lease and its instance comes back as the standby. The peer routers never route to it.
+    t_cont = time.monotonic()
+    seen_primary_at = []
+    while True:
+        doc = node.status()
+        mine = [i for svc in doc["services"] for i in svc["instances"]]
+        if any(i["role"] == "primary" for i in mine):
+            seen_primary_at.append(time.monotonic() - t_cont)
+        for r in rig.routers:
+            assert r.primary() != before, f"{r.name} routes to the fenced instance again"
+        if doc["supervisor"]["cluster"]["registrations"] >= 2 and mine and mine[0]["role"] == "standby":
+            break
+        assert time.monotonic() - t_cont < 60, doc
+        time.sleep(0.05)
+    # its own router may still hold the old role until it reads etcd's events (the first poll)
+    assert all(t < 0.5 for t in seen_primary_at), seen_primary_at
+    assert set(node.engine_pids()).isdisjoint(old_engines), "the fenced engine was not stopped"
+    assert rig.primary() != before
+    rig.settle()
+
+
+def test_kill_9_of_one_etcd_member_then_a_failover_still_goes_through(rig):
+    rig.etcd.kill(0)
+    try:
+        node = rig.node_of_primary()
+        before = rig.primary()
+        s = rig.streaming()
+        signal_all(node.engine_pids(), signal.SIGKILL)
+        wait_until(lambda: rig.primary() != before, 20, "a promotion with 2 of 3 members")
+        rig.settle()
+        s.stop()
+        assert_clean(s)
+    finally:
+        rig.etcd.restart(0)
+        rig.etcd.wait_healthy(members=[0])

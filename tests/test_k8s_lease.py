@@ -1,0 +1,160 @@
+"""The Kubernetes Lease backend, against a small stand-in for the API server.
+
+No Kubernetes API server runs here; the stand-in below follows the documented semantics of
+coordination.k8s.io/v1 Leases that the backend relies on (create answers 409 AlreadyExists for an
+existing name; replace answers 409 Conflict when metadata.resourceVersion is not the stored one;
+every write bumps resourceVersion). What is tested is the backend's request building and its
+compare-and-swap logic, through the same role store the etcd path uses; not a real API server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from failover_common.etcd import EtcdError, EtcdUnavailable
+from failover_common.k8s_lease import RECORD, KubeLeases, expired, lease_name
+from failover_common.ports import free_port
+from router.roles import Claims, EtcdRoles
+
+pytestmark = pytest.mark.asyncio
+BASE = "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"
+
+
+class StandIn:
+    def __init__(self) -> None:
+        self.leases: dict[str, dict] = {}
+        self.rv = 100
+        self.requests: list[tuple[str, str, dict | None, str]] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.add_routes([web.post(BASE, self.create), web.get(BASE + "/{name}", self.get),
+                        web.put(BASE + "/{name}", self.replace)])
+        return app
+
+    async def _log(self, request: web.Request) -> dict | None:
+        body = await request.json() if request.can_read_body else None
+        self.requests.append((request.method, request.path, body, request.headers.get("Authorization", "")))
+        return body
+
+    def _auth(self, request: web.Request) -> web.Response | None:
+        if request.headers.get("Authorization") != "Bearer sekrit":
+            return web.json_response({"kind": "Status", "message": "Unauthorized"}, status=401)
+        return None
+
+    def _store(self, body: dict) -> dict:
+        stored = dict(body)
+        self.rv += 1
+        stored["metadata"] = dict(body["metadata"], resourceVersion=str(self.rv))
+        self.leases[body["metadata"]["name"]] = stored
+        return stored
+
+    async def create(self, request: web.Request) -> web.Response:
+        body = await self._log(request)
+        if (denied := self._auth(request)) is not None:
+            return denied
+        if body["metadata"]["name"] in self.leases:
+            return web.json_response({"kind": "Status", "reason": "AlreadyExists"}, status=409)
+        return web.json_response(self._store(body), status=201)
+
+    async def get(self, request: web.Request) -> web.Response:
+        await self._log(request)
+        lease = self.leases.get(request.match_info["name"])
+        return web.json_response(lease or {"kind": "Status", "reason": "NotFound"}, status=200 if lease else 404)
+
+    async def replace(self, request: web.Request) -> web.Response:
+        body = await self._log(request)
+        cur = self.leases.get(request.match_info["name"])
+        if cur is None:
+            return web.json_response({"kind": "Status", "reason": "NotFound"}, status=404)
+        if body["metadata"].get("resourceVersion") != cur["metadata"]["resourceVersion"]:
+            return web.json_response({"kind": "Status", "reason": "Conflict"}, status=409)
+        return web.json_response(self._store(body))
+
+
+@pytest_asyncio.fixture
+async def api(tmp_path):
+    stand_in = StandIn()
+    runner = web.AppRunner(stand_in.app())
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    token = tmp_path / "token"
+    token.write_text("sekrit\n")
+    leases = KubeLeases(f"http://127.0.0.1:{port}", "failover", token_file=token)
+    yield stand_in, leases
+    await leases.close()
+    await runner.cleanup()
+
+
+async def test_one_of_many_creators_wins_and_replace_needs_the_current_resource_version(api):
+    stand_in, leases = api
+    key = "/failover/prod/primary/chat"
+    values = [json.dumps({"instance": f"chat-0@n{i}"}) for i in range(6)]
+    results = await asyncio.gather(*(leases.swap(key, 0, v) for v in values))
+    winners = [r for r in results if r.ok]
+    assert len(winners) == 1
+    lease = stand_in.leases[lease_name(key)]
+    assert lease_name(key) == "failover-prod-primary-chat"
+    won = json.loads(lease["metadata"]["annotations"][RECORD])["instance"]
+    assert lease["spec"]["holderIdentity"] == won
+    assert all(json.loads(r.current.value)["instance"] == won for r in results if not r.ok)
+    rv = winners[0].revision
+    assert str(rv) == lease["metadata"]["resourceVersion"]
+    stale = await leases.swap(key, rv - 1, json.dumps({"instance": "late"}))
+    assert not stale.ok and stale.revision == rv
+    fresh = await leases.swap(key, rv, json.dumps({"instance": "chat-0@n9"}))
+    assert fresh.ok and fresh.revision > rv
+    put = [r for r in stand_in.requests if r[0] == "PUT"][-1]
+    assert put[1].endswith("/namespaces/failover/leases/failover-prod-primary-chat")
+    assert put[2]["metadata"]["resourceVersion"] == str(rv) and put[3] == "Bearer sekrit"
+    assert put[2]["apiVersion"] == "coordination.k8s.io/v1" and put[2]["kind"] == "Lease"
+
+
+async def test_two_role_stores_claiming_the_same_failure_promote_exactly_one(api):
+    _, leases = api
+    switched, followed = [], []
+    stores = []
+    for rid in ("r1", "r2"):
+        roles = EtcdRoles(leases, "prod", rid)  # the role store only needs swap() of its backend
+        roles.claims = Claims(switch=lambda s, n, r, rev, rid=rid: switched.append((rid, n, rev)),
+                              follow=lambda s, n, rev, rid=rid: followed.append((rid, n, rev)),
+                              gone=lambda s, n: True)
+        stores.append(roles)
+    stores[0].claim("chat", "chat-0@a", "test", None)
+    stores[1].claim("chat", "chat-0@b", "test", None)
+    await asyncio.gather(*stores[0]._tasks, *stores[1]._tasks)
+    assert len(switched) == 1, switched
+    winner = switched[0]
+    assert [f[1] for f in followed] == [winner[1]]  # the loser follows the winner
+    assert followed[0][2] == winner[2]  # at the winner's resourceVersion, the fencing token
+
+
+async def test_heartbeat_leases_expire_by_their_renew_time(api):
+    _, leases = api
+    key = "/failover/prod/nodes/gpu-1"
+    rv1 = await leases.renew(key, json.dumps({"node": "gpu-1"}), 5)
+    rv2 = await leases.renew(key, json.dumps({"node": "gpu-1"}), 5)
+    assert rv2 > rv1
+    status, doc = await leases.request("GET", leases.path(lease_name(key)))
+    assert status == 200 and not expired(doc)
+    assert expired(doc, datetime.now(timezone.utc) + timedelta(seconds=6))
+
+
+async def test_bad_token_and_no_server_are_told_apart(api, tmp_path):
+    _, leases = api
+    leases.token_file.write_text("wrong")
+    with pytest.raises(EtcdError, match="Role"):
+        await leases.swap("/failover/x/primary/y", 0, "{}")
+    gone = KubeLeases(f"http://127.0.0.1:{free_port()}", "failover", timeout=0.5)
+    try:
+        with pytest.raises(EtcdUnavailable):
+            await gone.get("/failover/x/primary/y")
+    finally:
+        await gone.close()
