@@ -148,6 +148,7 @@ class EngineConfig:
     admin_token_file: Path | None = None  # guards POST /admin/kv; None: admin calls get 403
     warmup_batch: int = 1  # sequences of the warm-up wave before /ready (LLMEngine.warmup)
     cudnn_attention: bool = False  # cuDNN SDPA: faster steady decode, a slow first use of each shape
+    cuda_graphs: bool = True  # CUDA, tp 1: decode graphs captured per batch bucket after /ready
 
     def __post_init__(self) -> None:
         checks = [

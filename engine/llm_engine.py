@@ -86,7 +86,7 @@ class LLMEngine:
         return outputs
 
     def _advance(self, seqs: list[Sequence], logits) -> list[RequestOutput]:
-        tokens = sample(logits, [Draw(s.params, s.seed, s.length) for s in seqs])
+        tokens = sample(logits, [Draw(s.params, s.seed, s.length) for s in seqs], self.runner.greedy)
         outputs = []
         for seq, token in zip(seqs, tokens):
             self.scheduler.append(seq, token)
@@ -114,6 +114,13 @@ class LLMEngine:
             finally:  # a failed replacement chunk (out of memory) leaves the pool at the chunks it kept
                 blocks.resize(kv.num_blocks)
         return self.kv_usage()
+
+    def capture_graph(self) -> bool:
+        """Capture the next CUDA graph of decode (between two steps); False when none is left."""
+        if not self.runner.graphs_pending:
+            return False
+        self.runner.run(StepPlan("capture"))
+        return self.runner.graphs_pending
 
     def kv_usage(self) -> KVUsage:
         blocks = self.scheduler.blocks
