@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cudnn-attention", action="store_true",
                    help="CUDA: let attention use cuDNN (faster steady decode, but each new shape's first "
                         "use is slow: a promoted standby's first requests pay it)")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prompt tokens prefilled per step while other sequences decode (0: whole prompts)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="CUDA: decode eagerly, capture no graphs (they are captured after /ready otherwise)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + completion tokens")
@@ -102,6 +104,7 @@ def make_config(args: argparse.Namespace) -> EngineConfig:
         drain_timeout=args.drain_timeout, max_body_bytes=args.max_body_bytes,
         admin_token_file=args.admin_token_file, warmup_batch=args.warmup_batch,
         cudnn_attention=args.cudnn_attention, cuda_graphs=args.cuda_graphs,
+        prefill_chunk=args.prefill_chunk,
     )
 
 

@@ -163,16 +163,28 @@ class KVPool:
             self.offsets[:, :, start:start + n].copy_(local)
 
     # --- a step's index ------------------------------------------------------------------------
-    def prefill_batch(self, tables: tuple[tuple[int, ...], ...], lens: list[int]) -> AttentionBatch:
+    def prefill_batch(self, tables: tuple[tuple[int, ...], ...], lens: list[int],
+                      starts: tuple[int, ...] = ()) -> AttentionBatch:
+        """Row r's tokens at positions ``starts[r] .. starts[r] + lens[r] - 1`` (default start 0). A
+        row that starts past 0 (a later chunk of a chunked prefill) goes alone: it attends to its
+        positions before ``start``, read from the pool, and to its own fresh K/V."""
         longest, bs = max(lens), self.block_size
-        positions = torch.arange(longest, device=self.device).unsqueeze(0).expand(len(lens), -1)
-        slots = [table[p // bs] * bs + p % bs for table, n in zip(tables, lens) for p in range(n)]
+        start = starts[0] if starts else 0
+        assert start == 0 or len(lens) == 1, "a prefill chunk past position 0 runs alone"
+        positions = (start + torch.arange(longest, device=self.device)).unsqueeze(0).expand(len(lens), -1)
+        slots = [table[p // bs] * bs + p % bs for table, n in zip(tables, lens) for p in range(start, start + n)]
         rows = None if min(lens) == longest else [r * longest + p for r, n in enumerate(lens) for p in range(n)]
+        prefix = {}
+        if start:
+            width = -(-start // bs)
+            prefix = dict(reads=self._by_chunk(list(tables[0][:width]), None, 1), table_blocks=width,
+                          context_len=start)
         if self.fused:
-            padded = [table[p // bs] * bs + p % bs if p < n else -1 for table, n in zip(tables, lens)
-                      for p in range(longest)]
-            return AttentionBatch(positions, True, (), slots=torch.tensor(padded, dtype=torch.long).to(self.device))
-        return AttentionBatch(positions, True, self._by_chunk(slots, rows, bs))
+            padded = [table[p // bs] * bs + p % bs if p < start + n else -1 for table, n in zip(tables, lens)
+                      for p in range(start, start + longest)]
+            return AttentionBatch(positions, True, (), slots=torch.tensor(padded, dtype=torch.long).to(self.device),
+                                  **prefix)
+        return AttentionBatch(positions, True, self._by_chunk(slots, rows, bs), **prefix)
 
     def decode_batch(self, tables: tuple[tuple[int, ...], ...], positions: tuple[int, ...]) -> AttentionBatch:
         bs, dev = self.block_size, self.device
@@ -216,7 +228,7 @@ class KVPool:
             fused.store_kv(self, layer, k.transpose(1, 2).reshape(b * t, hkv, d),
                            v.transpose(1, 2).reshape(b * t, hkv, d), batch.slots)
             if batch.prefill:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                return self._prefill_attention(layer, q, k, v, batch)
             return fused.paged_decode(self, layer, q[:, :, 0], batch.tables, batch.lens).unsqueeze(2)
         for which, new in ((0, k), (1, v)):
             tokens = new.transpose(1, 2).reshape(b * t, hkv, d)  # [B*T, Hkv, D]
@@ -224,9 +236,21 @@ class KVPool:
                 dst = self.chunks[c][which, layer].view(-1, hkv, d)
                 dst.index_copy_(0, local, tokens if rows is None else tokens.index_select(0, rows))
         if batch.prefill:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return self._prefill_attention(layer, q, k, v, batch)
         keys, values = (self._gather(which, layer, batch) for which in (0, 1))
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+
+    def _prefill_attention(self, layer: int, q, k, v, batch: AttentionBatch) -> torch.Tensor:
+        """Causal attention of a prefill's fresh q/k/v; a chunk past position 0 (one row) also
+        attends to the ``context_len`` positions before it, gathered from the pool."""
+        if not batch.context_len:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        start, t = batch.context_len, q.shape[2]
+        keys = torch.cat((self._gather(0, layer, batch), k), dim=2)
+        values = torch.cat((self._gather(1, layer, batch), v), dim=2)
+        # query i sits at position start + i and sees keys 0 .. start + i
+        mask = torch.arange(start + t, device=q.device) <= start + torch.arange(t, device=q.device).unsqueeze(1)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
     def _gather(self, which: int, layer: int, batch: AttentionBatch) -> torch.Tensor:
         """Each row's blocks as contiguous positions: [B, Hkv, context_len, D]."""

@@ -23,8 +23,9 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """prefill: ``tokens`` holds each row's whole sequence (positions 0..len-1; rows are padded on the
-    right to the longest). decode: one token per row at ``positions``. Each row's KV lives in the
+    """prefill: ``tokens`` holds each row's tokens from position ``positions[row]`` on (default 0;
+    rows are padded on the right to the longest; a row past 0 is a later chunk of a chunked prefill
+    and runs alone). decode: one token per row at ``positions``. Each row's KV lives in the
     blocks of its ``block_tables`` row. resize: the pool becomes ``chunks`` (block counts, see
     ``KVPool.plan_resize``). stop: the group shuts down."""
 
@@ -104,7 +105,7 @@ class ModelRunner:
             longest = max(lens)
             tokens = torch.tensor([list(t) + [0] * (longest - len(t)) for t in plan.tokens], dtype=torch.long,
                                   device=dev)
-            hidden = self.model(tokens, self.kv, self.kv.prefill_batch(plan.block_tables, lens))
+            hidden = self.model(tokens, self.kv, self.kv.prefill_batch(plan.block_tables, lens, plan.positions))
             last = torch.tensor(lens, device=dev) - 1
             return self.model.logits(hidden[torch.arange(len(lens), device=dev), last])
         if self.decoder is not None:
