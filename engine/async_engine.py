@@ -47,6 +47,7 @@ class AsyncEngine:
         self._stopping = False
         self._on_step, self._on_fatal, self._on_graphs = on_step, on_fatal, on_graphs
         self.graphs_captured = 0  # CUDA decode graphs captured so far (engine.cuda_graphs)
+        self.graphs_total = 0  # buckets that will get one (0: eager decode only)
         self.error: BaseException | None = None
         self.kv_usage: KVUsage | None = None  # the engine thread's latest snapshot, for the probes
 
@@ -113,6 +114,8 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - handed to the event loop, which reports and exits
             self._loop.call_soon_threadsafe(_settle, self._ready, None, e)
             return
+        decoder = self.engine.runner.decoder
+        self.graphs_total = len(decoder.pending) if decoder is not None else 0
         self._report()  # the pool's figures are there before the first request
         self._loop.call_soon_threadsafe(_settle, self._ready, self.engine, None)
         try:
