@@ -94,7 +94,7 @@ async def bench_path(a: argparse.Namespace, workdir: Path, model: Path, launch: 
                 await asyncio.sleep(0.002)
                 if time.monotonic() - killed > 600:
                     raise TimeoutError(f"{slot.name} was not relaunched within 600 s; see {log.name}")
-            graphs_ms = await graphs_live_ms(slot.url(), killed)
+            graphs_ms = await graphs_live_ms(slot.url, killed)
             r = {"round": i + 1, "launch": launch, "slot": slot.name, "graphs_live_ms": graphs_ms,
                  "relaunch_ms": (slot.ready_at - killed) * 1e3,
                  "exit_seen_ms": (slot.evicted_at - killed) * 1e3,
