@@ -131,8 +131,13 @@ print(max((a - b).abs().max().item() for a, b in zip(ref, decode_logits(runner, 
 """
 
 
-def test_fused_path_equals_the_reference_through_the_triton_interpreter(tiny_model):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_fused_path_equals_the_reference_through_the_triton_interpreter(tmp_path, arch):
     pytest.importorskip("triton")
+    from failover.tools.tiny_model import TinySpec, write_checkpoint
+
+    spec = {"qwen3": TinySpec(arch="qwen3", tie=True), "mistral": TinySpec(arch="mistral", head_dim=32)}
+    tiny_model = write_checkpoint(tmp_path / arch, spec.get(arch, TinySpec(arch=arch)))
     # the interpreter is chosen when a kernel is defined: a fresh process with TRITON_INTERPRET set
     here = os.path.dirname(__file__)
     env = {**os.environ, "TRITON_INTERPRET": "1",
