@@ -43,16 +43,28 @@ def parse_args(argv):
     p.add_argument("--size-gib", type=float, default=1.0, help="checkpoint size to reach (>= 1 for the target)")
     p.add_argument("--dir", type=Path, default=None, help="checkpoint dir (default: a temp dir, removed after)")
     p.add_argument("--runs", type=int, default=3, help="time-to-ready runs per source (median reported)")
+    p.add_argument("--shape", choices=["sized", "llama3-8b"], default="sized",
+                   help="sized: hidden 1024, layers to reach --size-gib; llama3-8b: Llama-3-8B's shapes "
+                        "(32 layers, hidden 4096, 8 kv heads, vocab 128256; ~15 GiB bf16)")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--batches", default="1,16")
+    p.add_argument("--ttft-prompt-len", type=int, default=1024, help="prompt of the time-to-first-token figure")
+    p.add_argument("--ttft-batch", type=int, default=8, help="prompts together in the second TTFT figure")
+    p.add_argument("--kv-gib", type=int, default=16, help="KV pool of the in-process engine")
+    p.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--skip-ready", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
     return p.parse_args(argv)
 
 
-def make_spec(size_gib: float, dtype: str):
+def make_spec(size_gib: float, dtype: str, shape: str = "sized"):
     from failover.tools.tiny_model import TinySpec, tensor_shapes
+
+    if shape == "llama3-8b":
+        return TinySpec(arch="llama", hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256,
+                        layers=32, max_positions=4096, dtype=dtype, shards=4)
 
     base = dict(arch="llama", hidden=1024, heads=16, kv_heads=4, intermediate=2816, vocab=32000,
                 max_positions=1024, dtype=dtype, shards=4)
@@ -204,103 +216,6 @@ def bench_ready(model: Path, args, work: Path) -> dict:
     return results
 
 
-def bench_decode(model: Path, args) -> dict:
-    import torch
-
-    try:
-        import transformers
-    except ImportError:
-        transformers = None
-        print("transformers is not installed: decode figures for the engine only")
-
-    from cache_daemon.checkpoint import load_shards
-    from engine.config import EngineConfig, ModelConfig
-    from engine.llm_engine import LLMEngine
-    from engine.model_runner import ModelRunner
-    from engine.sampling import SamplingParams
-    from engine.scheduler import Sequence
-    from engine.tokenizer import Tokenizer
-
-    dtype = getattr(torch, args.dtype)
-    batches = [int(b) for b in args.batches.split(",")]
-    cfg = EngineConfig(model=model, weights="disk", device=args.device, dtype=args.dtype,
-                       max_batch=max(batches), kv_memory=16 << 30)
-    weights = load_shards(model, dtype=dtype)
-    if args.device == "cuda":
-        weights = {k: v.cuda() for k, v in weights.items()}
-    mcfg = ModelConfig.from_dir(model)
-    runner = ModelRunner(_with_len(cfg, args), mcfg, weights)
-    engine = LLMEngine(runner, Tokenizer(model), ())
-    engine.warmup()
-    gen = torch.Generator().manual_seed(0)
-
-    def prompts(b):
-        return torch.randint(3, 500, (b, args.prompt_len), generator=gen).tolist()
-
-    def ours(b, new) -> float:
-        """Seconds of decode: from the end of the step that prefilled every sequence to the last token."""
-        seqs = [Sequence(f"{b}-{new}-{i}", p, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True), 0)
-                for i, p in enumerate(prompts(b))]
-        for s in seqs:
-            engine.add(s)
-        engine.step()  # admits and prefills all of them (one forward), first token each
-        sync()
-        start = time.perf_counter()
-        while engine.has_work():
-            engine.step()
-        sync()
-        assert all(len(s.output_ids) == new for s in seqs)
-        return time.perf_counter() - start
-
-    hf = None
-    if transformers is not None:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype).to(args.device).eval()
-
-    class FirstToken:
-        """generate() calls put() with the prompt, then with each new token: time the first new one."""
-
-        def __init__(self) -> None:
-            self.calls, self.at = 0, None
-
-        def put(self, value) -> None:
-            self.calls += 1
-            if self.calls == 2:
-                sync()
-                self.at = time.perf_counter()
-
-        def end(self) -> None:
-            pass
-
-    def theirs(b, new) -> float:
-        ids = torch.tensor(prompts(b), device=args.device)
-        first = FirstToken()
-        with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                              do_sample=False, pad_token_id=0, streamer=first)
-        sync()
-        assert out.shape[1] == args.prompt_len + new
-        return time.perf_counter() - first.at
-
-    def sync():
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-
-    results = {}
-    for b in batches:
-        row = {}
-        for name, fn in (("engine", ours), ("transformers", theirs))[:2 if hf is not None else 1]:
-            fn(b, 3)  # warm this batch size
-            row[name] = b * (args.new_tokens - 1) / median([fn(b, args.new_tokens) for _ in range(3)])
-        results[b] = row
-    return results
-
-
-def _with_len(cfg, args):
-    from dataclasses import replace
-
-    return replace(cfg, max_model_len=args.prompt_len + args.new_tokens + 8)
-
-
 def gpu_name() -> str:
     """From nvidia-smi: this process must not create a CUDA context before it forks engines."""
     try:
@@ -334,13 +249,14 @@ def main(argv=None) -> int:
     from failover.tools.tiny_model import write_checkpoint
 
     work = args.dir or Path(tempfile.mkdtemp(prefix="fo-bench-engine-"))
-    spec = make_spec(args.size_gib, args.dtype)
+    spec = make_spec(args.size_gib, args.dtype, args.shape)
     model = work / "model"
     if not (model / "config.json").exists():
         t = time.perf_counter()
         write_checkpoint(model, spec)
         print(f"wrote checkpoint in {time.perf_counter() - t:.1f} s")
     size = checkpoint_bytes(model)
+    print(f"# command: {' '.join([sys.executable, *sys.argv])}")
     print(f"# bench/engine.py  {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}")
     print(f"machine: {machine(args)}")
     print(f"model: llama, {spec.layers} layers, hidden {spec.hidden}, vocab {spec.vocab}, {args.dtype}, "
@@ -362,15 +278,9 @@ def main(argv=None) -> int:
                     print(f"  ratio {how}, {label} / cache: ready {d['ready_s'] / c['ready_s']:.2f}x, "
                           f"weights {d['weights_s'] / c['weights_s']:.1f}x")
         if not args.skip_decode:
-            dec = bench_decode(model, args)
-            print(f"\ndecode tokens/s (prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, "
-                  f"prefill excluded)")
-            for b, row in dec.items():
-                if "transformers" not in row:
-                    print(f"  batch {b:>3}: engine {row['engine']:9.1f}")
-                    continue
-                print(f"  batch {b:>3}: engine {row['engine']:9.1f}   transformers {row['transformers']:9.1f}   "
-                      f"ratio {row['engine'] / row['transformers']:.2f}x")
+            from engine_decode import bench_decode, print_decode
+
+            print_decode(bench_decode(model, args), args)
     finally:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)

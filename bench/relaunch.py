@@ -56,6 +56,23 @@ def config_for(a: argparse.Namespace, workdir: Path, model: Path, launch: str):
     }, source=f"bench-{launch}")
 
 
+async def graphs_live_ms(url: str, killed: float) -> float | None:
+    """Kill -> the replacement's /ready reports every CUDA graph bucket captured (None: eager engine)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() - killed < 120:
+            async with http.get(f"{url}/ready") as r:
+                body = await r.json()
+            total = body.get("cuda_graph_buckets_total", 0)
+            if not total:
+                return None
+            if body.get("cuda_graph_buckets") == total:
+                return (time.monotonic() - killed) * 1e3
+            await asyncio.sleep(0.002)
+    raise TimeoutError(f"{url}: CUDA graphs not live 120 s after the kill")
+
+
 async def bench_path(a: argparse.Namespace, workdir: Path, model: Path, launch: str) -> list[dict]:
     from failover.node.supervisor import Supervisor
 
@@ -77,7 +94,8 @@ async def bench_path(a: argparse.Namespace, workdir: Path, model: Path, launch: 
                 await asyncio.sleep(0.002)
                 if time.monotonic() - killed > 600:
                     raise TimeoutError(f"{slot.name} was not relaunched within 600 s; see {log.name}")
-            r = {"round": i + 1, "launch": launch, "slot": slot.name,
+            graphs_ms = await graphs_live_ms(slot.url, killed)
+            r = {"round": i + 1, "launch": launch, "slot": slot.name, "graphs_live_ms": graphs_ms,
                  "relaunch_ms": (slot.ready_at - killed) * 1e3,
                  "exit_seen_ms": (slot.evicted_at - killed) * 1e3,
                  "launch_to_ready_ms": (slot.ready_at - slot.launched_at) * 1e3,
@@ -86,7 +104,8 @@ async def bench_path(a: argparse.Namespace, workdir: Path, model: Path, launch: 
             rounds.append(r)
             print(f"[{launch}] round {i + 1}: relaunch_ms={r['relaunch_ms']:.1f} (exit seen "
                   f"{r['exit_seen_ms']:.1f} ms, launch->ready {r['launch_to_ready_ms']:.1f} ms, weights "
-                  f"{r['weights_source']} in {r['weights_ms']:.1f} ms)", flush=True)
+                  f"{r['weights_source']} in {r['weights_ms']:.1f} ms; CUDA graphs live "
+                  f"{'-' if graphs_ms is None else f'{graphs_ms:.1f} ms'} after the kill)", flush=True)
     finally:
         await sup.stop()
         log.close()
@@ -109,6 +128,9 @@ async def main_async(a: argparse.Namespace, workdir: Path) -> int:
         print(f"{launch}_relaunch_ms_max={max(ms):.1f}")
         print(f"{launch}_weights_source={','.join(map(str, sources))}")
         print(f"{launch}_weights_ms_median={statistics.median(r['weights_ms'] for r in rounds):.1f}")
+        graphs = [r["graphs_live_ms"] for r in rounds if r["graphs_live_ms"] is not None]
+        if graphs:
+            print(f"{launch}_graphs_live_ms_median={statistics.median(graphs):.1f}")
     if "zygote" in medians and "spawn" in medians:
         print(f"speedup_spawn_over_zygote={medians['spawn'] / medians['zygote']:.2f}")
     print(f"loadavg_end={' '.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -129,6 +151,7 @@ def main() -> int:
     p.add_argument("--paths", default="zygote,spawn", help="launch paths to compare")
     a = p.parse_args()
     configure_logging("error", process="bench")
+    print(f"command: {' '.join([sys.executable, *sys.argv])}")
     print(f"bench/relaunch.py  date={datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}")
     print(machine())
     print(f"model={a.model or 'tiny (random, 2 layers)'} device={a.device} dtype={a.dtype} tp={a.tp} rounds={a.rounds}")

@@ -34,7 +34,8 @@ class AsyncEngine:
     torch call of this rank, collectives included, happens on that one thread."""
 
     def __init__(self, build: Callable[[], LLMEngine], on_step: Callable[[int, int, KVUsage], None] | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 on_graphs: Callable[[int], None] | None = None) -> None:
         self._build = build
         self.engine: LLMEngine | None = None
         self._ready: asyncio.Future | None = None
@@ -44,7 +45,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._on_step, self._on_fatal = on_step, on_fatal
+        self._on_step, self._on_fatal, self._on_graphs = on_step, on_fatal, on_graphs
+        self.graphs_captured = 0  # CUDA decode graphs captured so far (engine.cuda_graphs)
+        self.graphs_total = 0  # buckets that will get one (0: eager decode only)
         self.error: BaseException | None = None
         self.kv_usage: KVUsage | None = None  # the engine thread's latest snapshot, for the probes
 
@@ -111,12 +114,19 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - handed to the event loop, which reports and exits
             self._loop.call_soon_threadsafe(_settle, self._ready, None, e)
             return
+        decoder = self.engine.runner.decoder
+        self.graphs_total = len(decoder.pending) if decoder is not None else 0
         self._report()  # the pool's figures are there before the first request
         self._loop.call_soon_threadsafe(_settle, self._ready, self.engine, None)
         try:
             while not self._stopping:
                 if self._drain_inbox():
                     self._report()
+                if self.engine.runner.graphs_pending:  # one CUDA graph between two steps
+                    self.engine.capture_graph()
+                    self._report()
+                    if not self.engine.has_work():
+                        continue
                 if not self.engine.has_work():
                     self._wake.wait(0.5)
                     self._wake.clear()
@@ -136,6 +146,10 @@ class AsyncEngine:
 
     def _report(self) -> None:
         self.kv_usage = self.engine.kv_usage()
+        if self.engine.runner.graphs_captured != self.graphs_captured:
+            self.graphs_captured = self.engine.runner.graphs_captured
+            if self._on_graphs is not None:
+                self._on_graphs(self.graphs_captured)
         if self._on_step is not None:
             s = self.engine.scheduler
             self._on_step(len(s.running), len(s.waiting), self.kv_usage)

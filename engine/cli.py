@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cudnn-attention", action="store_true",
                    help="CUDA: let attention use cuDNN (faster steady decode, but each new shape's first "
                         "use is slow: a promoted standby's first requests pay it)")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prompt tokens prefilled per step while other sequences decode (0: whole prompts)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="CUDA: decode eagerly, capture no graphs (they are captured after /ready otherwise)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + completion tokens")
     p.add_argument("--served-model-name", default="", help="the model id clients send (default: dir name)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -99,7 +103,8 @@ def make_config(args: argparse.Namespace) -> EngineConfig:
         max_batch=args.max_batch, max_model_len=args.max_model_len, served_model_name=args.served_model_name,
         drain_timeout=args.drain_timeout, max_body_bytes=args.max_body_bytes,
         admin_token_file=args.admin_token_file, warmup_batch=args.warmup_batch,
-        cudnn_attention=args.cudnn_attention,
+        cudnn_attention=args.cudnn_attention, cuda_graphs=args.cuda_graphs,
+        prefill_chunk=args.prefill_chunk,
     )
 
 

@@ -148,6 +148,8 @@ class EngineConfig:
     admin_token_file: Path | None = None  # guards POST /admin/kv; None: admin calls get 403
     warmup_batch: int = 1  # sequences of the warm-up wave before /ready (LLMEngine.warmup)
     cudnn_attention: bool = False  # cuDNN SDPA: faster steady decode, a slow first use of each shape
+    cuda_graphs: bool = True  # CUDA, tp 1: decode graphs captured per batch bucket after /ready
+    prefill_chunk: int = 512  # prompt tokens prefilled per step while others decode (0: no chunking)
 
     def __post_init__(self) -> None:
         checks = [
@@ -161,6 +163,7 @@ class EngineConfig:
             (self.kv_memory > 0, "--kv-memory must be positive"),
             (self.kv_block_size >= 1, "--kv-block-size must be at least 1"),
             (self.max_batch >= 1, "--max-batch must be at least 1"),
+            (self.prefill_chunk >= 0, "--prefill-chunk must not be negative (0: whole prompts)"),
             (1 <= self.warmup_batch <= self.max_batch,
              "--warmup-batch must be in 1..--max-batch"),
             (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be at least 2"),

@@ -13,7 +13,12 @@ chunks so that a shrink can release part of it; the cost of a chunk is one more 
 step that touches it.
 
 Attention: prefill attends to its own fresh K/V (there is no prefix reuse) and only writes the
-cache; decode gathers each row's blocks into contiguous K/V and runs torch SDPA on them.
+cache. Decode on CUDA (``fused``) reads the blocks in place: one Triton kernel per layer stores the
+step's k/v at their slots, another attends through the block tables (``engine.fused``), reaching
+every chunk from one base pointer (``anchor``) plus an element offset per (k or v, layer, block)
+(``offsets``, rewritten at each resize; the anchor and the offsets tensor never move, so CUDA graphs
+captured over them stay valid). Decode on CPU gathers each row's blocks into contiguous K/V and
+runs torch SDPA on them.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from engine import fused
 from engine.config import KV_BLOCK_SIZE, kv_block_bytes
 
 log = structlog.get_logger(__name__)
@@ -58,6 +64,11 @@ class AttentionBatch:
     table_blocks: int = 0  # decode: blocks per row in the gathered K/V
     context_len: int = 0  # decode: longest context in the batch after this step
     mask: torch.Tensor | None = None  # decode: [B, 1, 1, context_len] bool, True where attended
+    # the fused (CUDA) path: where each token's k/v goes, [B*T] global slots (< 0: padding, not
+    # written); decode: block tables [width, >= B] (column b = row b) and context lengths [B]
+    slots: torch.Tensor | None = None
+    tables: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
 
 
 class KVPool:
@@ -69,6 +80,10 @@ class KVPool:
         self.min_blocks, self.max_blocks = min_blocks, max_blocks  # one full context .. max_batch of them
         self.chunks: list[torch.Tensor] = []
         self.starts: list[int] = []
+        self.fused = fused.available(self.device)
+        if self.fused:  # see the module doc: what the kernels address the chunks through
+            self.anchor = torch.empty(64, dtype=dtype, device=self.device)
+            self.offsets = torch.zeros((2, layers, max_blocks), dtype=torch.long, device=self.device)
 
     @classmethod
     def from_budget(cls, budget: int, *, max_batch: int, max_len: int, block_size: int, layers: int,
@@ -133,14 +148,43 @@ class KVPool:
         for chunk in new:
             self.starts.append(self.num_blocks)
             self.chunks.append(chunk)
+        if self.fused:
+            self._write_offsets()
+
+    def _write_offsets(self) -> None:
+        """``offsets[which, layer, block]``: elements from the anchor to that block's first position."""
+        elem, per_block = self.anchor.element_size(), self.block_size * self.kv_heads * self.head_dim
+        for start, chunk in zip(self.starts, self.chunks):
+            n = chunk.shape[2]
+            gap = chunk.data_ptr() - self.anchor.data_ptr()
+            assert gap % elem == 0, "chunks are allocated aligned to their element size"
+            which_layer = torch.arange(2 * self.layers).view(2, self.layers, 1)
+            local = (which_layer * n + torch.arange(n).view(1, 1, n)) * per_block + gap // elem
+            self.offsets[:, :, start:start + n].copy_(local)
 
     # --- a step's index ------------------------------------------------------------------------
-    def prefill_batch(self, tables: tuple[tuple[int, ...], ...], lens: list[int]) -> AttentionBatch:
+    def prefill_batch(self, tables: tuple[tuple[int, ...], ...], lens: list[int],
+                      starts: tuple[int, ...] = ()) -> AttentionBatch:
+        """Row r's tokens at positions ``starts[r] .. starts[r] + lens[r] - 1`` (default start 0). A
+        row that starts past 0 (a later chunk of a chunked prefill) goes alone: it attends to its
+        positions before ``start``, read from the pool, and to its own fresh K/V."""
         longest, bs = max(lens), self.block_size
-        positions = torch.arange(longest, device=self.device).unsqueeze(0).expand(len(lens), -1)
-        slots = [table[p // bs] * bs + p % bs for table, n in zip(tables, lens) for p in range(n)]
+        start = starts[0] if starts else 0
+        assert start == 0 or len(lens) == 1, "a prefill chunk past position 0 runs alone"
+        positions = (start + torch.arange(longest, device=self.device)).unsqueeze(0).expand(len(lens), -1)
+        slots = [table[p // bs] * bs + p % bs for table, n in zip(tables, lens) for p in range(start, start + n)]
         rows = None if min(lens) == longest else [r * longest + p for r, n in enumerate(lens) for p in range(n)]
-        return AttentionBatch(positions, True, self._by_chunk(slots, rows, bs))
+        prefix = {}
+        if start:
+            width = -(-start // bs)
+            prefix = dict(reads=self._by_chunk(list(tables[0][:width]), None, 1), table_blocks=width,
+                          context_len=start)
+        if self.fused:
+            padded = [table[p // bs] * bs + p % bs if p < start + n else -1 for table, n in zip(tables, lens)
+                      for p in range(start, start + longest)]
+            return AttentionBatch(positions, True, (), slots=torch.tensor(padded, dtype=torch.long).to(self.device),
+                                  **prefix)
+        return AttentionBatch(positions, True, self._by_chunk(slots, rows, bs), **prefix)
 
     def decode_batch(self, tables: tuple[tuple[int, ...], ...], positions: tuple[int, ...]) -> AttentionBatch:
         bs, dev = self.block_size, self.device
@@ -180,15 +224,33 @@ class KVPool:
                batch: AttentionBatch) -> torch.Tensor:
         """Store this step's k/v and attend. q [B, H, T, D], k/v [B, Hkv, T, D] -> [B, H, T, D]."""
         b, hkv, t, d = k.shape
+        if batch.slots is not None:
+            fused.store_kv(self, layer, k.transpose(1, 2).reshape(b * t, hkv, d),
+                           v.transpose(1, 2).reshape(b * t, hkv, d), batch.slots)
+            if batch.prefill:
+                return self._prefill_attention(layer, q, k, v, batch)
+            return fused.paged_decode(self, layer, q[:, :, 0], batch.tables, batch.lens).unsqueeze(2)
         for which, new in ((0, k), (1, v)):
             tokens = new.transpose(1, 2).reshape(b * t, hkv, d)  # [B*T, Hkv, D]
             for c, rows, local in batch.writes:
                 dst = self.chunks[c][which, layer].view(-1, hkv, d)
                 dst.index_copy_(0, local, tokens if rows is None else tokens.index_select(0, rows))
         if batch.prefill:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return self._prefill_attention(layer, q, k, v, batch)
         keys, values = (self._gather(which, layer, batch) for which in (0, 1))
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+
+    def _prefill_attention(self, layer: int, q, k, v, batch: AttentionBatch) -> torch.Tensor:
+        """Causal attention of a prefill's fresh q/k/v; a chunk past position 0 (one row) also
+        attends to the ``context_len`` positions before it, gathered from the pool."""
+        if not batch.context_len:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        start, t = batch.context_len, q.shape[2]
+        keys = torch.cat((self._gather(0, layer, batch), k), dim=2)
+        values = torch.cat((self._gather(1, layer, batch), v), dim=2)
+        # query i sits at position start + i and sees keys 0 .. start + i
+        mask = torch.arange(start + t, device=q.device) <= start + torch.arange(t, device=q.device).unsqueeze(1)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
     def _gather(self, which: int, layer: int, batch: AttentionBatch) -> torch.Tensor:
         """Each row's blocks as contiguous positions: [B, Hkv, context_len, D]."""

@@ -13,6 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from engine import fused
+
 FP8_BLOCK = 128
 
 
@@ -22,11 +24,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)`` (one kernel on CUDA)."""
+        out, summed = fused.rms_norm(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, summed)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict, max_positions: int) -> torch.Tensor:
@@ -65,15 +66,30 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos().to(device), persistent=False)
         self.register_buffer("sin", emb.sin().to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [B, T] -> cos, sin [B, T, 1, head_dim] (broadcast over heads)
-        return self.cos[positions].unsqueeze(2).to(dtype), self.sin[positions].unsqueeze(2).to(dtype)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAt:
+        # positions [B, T] -> what rotates q and k [B, T, H, head_dim] at those positions
+        if fused.available(positions.device):
+            return RopeAt(positions, self.cos, self.sin, None, None)
+        return RopeAt(positions, self.cos, self.sin, self.cos[positions].unsqueeze(2).to(dtype),
+                      self.sin[positions].unsqueeze(2).to(dtype))
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+class RopeAt:
+    """One forward's rotation: on CPU cos/sin looked up once [B, T, 1, D]; on CUDA a fused kernel
+    reads the tables per token."""
+
+    __slots__ = ("positions", "cos_table", "sin_table", "cos", "sin")
+
+    def __init__(self, positions, cos_table, sin_table, cos, sin) -> None:
+        self.positions, self.cos_table, self.sin_table, self.cos, self.sin = positions, cos_table, sin_table, cos, sin
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cos is not None:
+            return fused.apply_rope_ref(x, self.cos, self.sin)
+        return fused.rope(x, self.positions, self.cos_table, self.sin_table)
+
+
+apply_rope = fused.apply_rope_ref
 
 
 def dequant_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

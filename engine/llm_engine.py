@@ -50,9 +50,11 @@ class KVUsage:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, eos_ids: tuple[int, ...],
-                 prefill_tokens: int = 4096) -> None:
+                 prefill_tokens: int = 4096, prefill_chunk: int | None = None) -> None:
         self.runner, self.tokenizer = runner, tokenizer
         self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (bounds activations)
+        # prompt tokens prefilled per step while other sequences decode (0: whole prompts at once)
+        self.prefill_chunk = runner.cfg.prefill_chunk if prefill_chunk is None else prefill_chunk
         kv = runner.kv
         self.scheduler = Scheduler(BlockManager(kv.num_blocks, kv.block_size), runner.cfg.max_batch,
                                    runner.max_len, eos_ids)
@@ -74,19 +76,41 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
+        """Prefill what is pending (while others decode, at most ``prefill_chunk`` prompt tokens in
+        all, so a long prompt does not stall them), then one decode step for the rest."""
         outputs = []
         prefill, decode = self.scheduler.schedule()
-        for group in _prefill_groups(prefill, self.prefill_tokens):
+        budget = self.prefill_chunk if decode and self.prefill_chunk else None
+        whole, parts = [], []
+        for seq in prefill:
+            n = seq.pending if budget is None else min(seq.pending, budget)
+            if n <= 0:
+                break
+            (whole if n == seq.length else parts).append((seq, n))
+            budget = None if budget is None else budget - n
+        for group in _prefill_groups([s for s, _ in whole], self.prefill_tokens):
             plan = StepPlan("prefill", tuple(tuple(s.all_ids) for s in group), block_tables=_tables(group))
-            outputs += self._advance(group, self.runner.run(plan))
+            outputs += self._prefilled(group, self.runner.run(plan))
+        for seq, n in parts:  # a chunk: one forward of its own, from where the last one stopped
+            start = seq.length - seq.pending
+            plan = StepPlan("prefill", (tuple(seq.all_ids[start:start + n]),), (start,), _tables([seq]))
+            outputs += self._prefilled([seq], self.runner.run(plan), n)
         if decode:
-            plan = StepPlan("decode", tuple(s.all_ids[-1] for s in decode), tuple(s.length - 1 for s in decode),
+            plan = StepPlan("decode", tuple(s.last_token for s in decode), tuple(s.length - 1 for s in decode),
                             _tables(decode))
             outputs += self._advance(decode, self.runner.run(plan))
         return outputs
 
+    def _prefilled(self, seqs: list[Sequence], logits, chunk: int | None = None) -> list[RequestOutput]:
+        """Sample the sequences whose prefill this forward finished; a partial chunk samples nothing."""
+        for seq in seqs:
+            seq.pending -= seq.pending if chunk is None else chunk
+        if seqs[0].pending:
+            return []
+        return self._advance(seqs, logits)
+
     def _advance(self, seqs: list[Sequence], logits) -> list[RequestOutput]:
-        tokens = sample(logits, [Draw(s.params, s.seed, s.length) for s in seqs])
+        tokens = sample(logits, [Draw(s.params, s.seed, s.length) for s in seqs], self.runner.greedy)
         outputs = []
         for seq, token in zip(seqs, tokens):
             self.scheduler.append(seq, token)
@@ -114,6 +138,13 @@ class LLMEngine:
             finally:  # a failed replacement chunk (out of memory) leaves the pool at the chunks it kept
                 blocks.resize(kv.num_blocks)
         return self.kv_usage()
+
+    def capture_graph(self) -> bool:
+        """Capture the next CUDA graph of decode (between two steps); False when none is left."""
+        if not self.runner.graphs_pending:
+            return False
+        self.runner.run(StepPlan("capture"))
+        return self.runner.graphs_pending
 
     def kv_usage(self) -> KVUsage:
         blocks = self.scheduler.blocks

@@ -37,10 +37,12 @@ class EngineMetrics:
         self.weights_seconds = Gauge("engine_weights_load_seconds", "Time to map or load the weights",
                                      ("model", "source"), registry=r)
         self.ready = Gauge("engine_ready", "1 while the engine admits requests", labels, registry=r)
+        self.graphs = Gauge("engine_cuda_graph_buckets", "Decode batch buckets replayed from a CUDA graph "
+                            "(captured after ready; 0 = eager)", labels, registry=r)
         self.model = model
         for family in (self.prompt_tokens, self.generation_tokens, self.running, self.waiting, self.ready,
                        self.kv_bytes, self.kv_blocks_total, self.kv_blocks_used, self.kv_blocks_free,
-                       self.preemptions):
+                       self.preemptions, self.graphs):
             family.labels(model)  # export every series from the start, at zero
 
     def outcome(self, outcome: str) -> None:
@@ -57,6 +59,9 @@ class EngineMetrics:
         self.kv_blocks_free.labels(m).set(kv.blocks_total - kv.blocks_used)
         self.preemptions.labels(m).inc(kv.preemptions - self._preemptions_seen)
         self._preemptions_seen = kv.preemptions
+
+    def set_graphs(self, captured: int) -> None:
+        self.graphs.labels(self.model).set(captured)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

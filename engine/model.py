@@ -15,7 +15,8 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.kv_cache import AttentionBatch, KVPool
-from engine.layers import Linear, RMSNorm, Rotary, RowParallelLinear, apply_rope
+from engine.fused import silu_mul
+from engine.layers import Linear, RMSNorm, RopeAt, Rotary, RowParallelLinear
 
 
 class Attention(nn.Module):
@@ -32,14 +33,14 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, cos, sin, layer: int, kv: KVPool, batch: AttentionBatch) -> torch.Tensor:
+    def forward(self, x, rope: RopeAt, layer: int, kv: KVPool, batch: AttentionBatch) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rope(q), rope(k)
         # [B, T, H, D] -> [B, H, T, D] for attention
         o = kv.attend(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), batch)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
@@ -54,7 +55,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(i, d, False, fp8, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -65,9 +66,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp, fp8)
 
-    def forward(self, x, cos, sin, layer, kv, batch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kv, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, layer, kv, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the add of the two is the next
+        norm's (fused into it on CUDA); ``residual`` None for the first layer."""
+        h, residual = self.input_layernorm(x, residual) if residual is not None else (self.input_layernorm(x), x)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, layer, kv, batch), residual)
+        return self.mlp(h), residual
 
 
 class Embedding(nn.Module):
@@ -120,10 +124,10 @@ class CausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor, kv: KVPool, batch: AttentionBatch) -> torch.Tensor:
         # tokens [B, T] -> hidden [B, T, hidden]
         x = self.model.embed_tokens(tokens)
-        cos, sin = self.rotary(batch.positions, x.dtype)
+        rope, residual = self.rotary(batch.positions, x.dtype), None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, kv, batch)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, i, kv, batch)
+        return self.model.norm(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

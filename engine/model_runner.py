@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVPool
 from engine.model import CausalLM
 
@@ -22,12 +23,13 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """prefill: ``tokens`` holds each row's whole sequence (positions 0..len-1; rows are padded on the
-    right to the longest). decode: one token per row at ``positions``. Each row's KV lives in the
+    """prefill: ``tokens`` holds each row's tokens from position ``positions[row]`` on (default 0;
+    rows are padded on the right to the longest; a row past 0 is a later chunk of a chunked prefill
+    and runs alone). decode: one token per row at ``positions``. Each row's KV lives in the
     blocks of its ``block_tables`` row. resize: the pool becomes ``chunks`` (block counts, see
     ``KVPool.plan_resize``). stop: the group shuts down."""
 
-    kind: str  # "prefill" | "decode" | "resize" | "stop"
+    kind: str  # "prefill" | "decode" | "resize" | "capture" (the next CUDA graph) | "stop"
     tokens: tuple = ()  # prefill: tuple of tuples of ids; decode: one id per row
     positions: tuple[int, ...] = ()
     block_tables: tuple[tuple[int, ...], ...] = ()
@@ -53,6 +55,21 @@ class ModelRunner:
                                      dtype=self.dtype, device=self.device)
         log.info("kv_cache_allocated", blocks=self.kv.num_blocks, block_size=self.kv.block_size,
                  chunks=len(self.kv.chunks), max_len=self.max_len, bytes=self.kv.nbytes)
+        # CUDA: decode through static buffers and batch buckets (engine.cuda_graphs), graphs captured
+        # after the engine is ready (tp == 1: a captured all-reduce would need every rank in step)
+        self.decoder = None
+        if self.kv.fused:
+            self.decoder = DecodeGraphs(self.model, self.kv, cfg.max_batch, self.max_len, self.device,
+                                        capture=cfg.cuda_graphs and cfg.tp == 1)
+        self.greedy: torch.Tensor | None = None  # the last decode's argmax ids, on the device
+
+    @property
+    def graphs_pending(self) -> bool:
+        return self.decoder is not None and bool(self.decoder.pending)
+
+    @property
+    def graphs_captured(self) -> int:
+        return 0 if self.decoder is None else len(self.decoder.graphs)
 
     def run(self, plan: StepPlan) -> torch.Tensor | None:
         """Rank 0: share the plan with the group, then execute it. Returns last-token logits [B, V]."""
@@ -76,7 +93,11 @@ class ModelRunner:
             log.info("kv_cache_resized", blocks=self.kv.num_blocks, chunks=len(self.kv.chunks),
                      bytes=self.kv.nbytes)
             return None
+        if plan.kind == "capture":
+            self.decoder.capture_next()
+            return None
         dev = self.device
+        self.greedy = None
         if plan.kind == "prefill":
             # right padding is harmless: causal attention keeps real positions off the pad, and the
             # pad's K/V is never written to the pool
@@ -84,9 +105,12 @@ class ModelRunner:
             longest = max(lens)
             tokens = torch.tensor([list(t) + [0] * (longest - len(t)) for t in plan.tokens], dtype=torch.long,
                                   device=dev)
-            hidden = self.model(tokens, self.kv, self.kv.prefill_batch(plan.block_tables, lens))
+            hidden = self.model(tokens, self.kv, self.kv.prefill_batch(plan.block_tables, lens, plan.positions))
             last = torch.tensor(lens, device=dev) - 1
             return self.model.logits(hidden[torch.arange(len(lens), device=dev), last])
+        if self.decoder is not None:
+            logits, self.greedy = self.decoder.run(plan.tokens, plan.positions, plan.block_tables)
+            return logits
         tokens = torch.tensor(plan.tokens, dtype=torch.long, device=dev).unsqueeze(1)
         hidden = self.model(tokens, self.kv, self.kv.decode_batch(plan.block_tables, plan.positions))
         return self.model.logits(hidden[:, -1])

@@ -68,9 +68,10 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept / kept.sum(-1, keepdim=True)
 
 
-def sample(logits: torch.Tensor, draws: list[Draw]) -> list[int]:
-    """logits [B, V] float32 (any device) -> one token id per row."""
-    greedy = logits.argmax(-1).tolist()
+def sample(logits: torch.Tensor, draws: list[Draw], greedy: torch.Tensor | None = None) -> list[int]:
+    """logits [B, V] float32 (any device) -> one token id per row. ``greedy``: the rows' argmax,
+    already taken on the device (one copy back instead of an argmax here)."""
+    greedy = (logits.argmax(-1) if greedy is None else greedy).tolist()
     out = []
     for row, draw in enumerate(draws):
         if draw.params.greedy:

@@ -54,17 +54,22 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> tuple[list[Sequence], list[Sequence]]:
-        """This step's (prefill, decode) sequences. Decode goes first: every running sequence gets
+        """This step's (prefill, decode) sequences: prefill = every running sequence with tokens
+        still to prefill (admitted now or earlier, oldest first; the engine may take a chunk of each). Decode goes first: every running sequence gets
         the block its next token needs, preempting the youngest when the pool is out of blocks;
         only a step that preempted nothing admits waiting sequences (else they would be preempted
         again at once)."""
         decode, preempted = self._reserve_decode()
-        return ([] if preempted else self._admit()), decode
+        if not preempted:
+            self._admit()
+        return [s for s in self.running if s.pending], decode
 
     def _reserve_decode(self) -> tuple[list[Sequence], bool]:
         batch, queue, preempted = [], list(self.running), False
         while queue:
             seq = queue.pop(0)
+            if seq.pending:  # still prefilling: its blocks were all taken at admission
+                continue
             while not self.blocks.can_append(seq):
                 preempted = True
                 if not queue:  # seq is the youngest left: it waits, the older ones go on
@@ -83,7 +88,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_batch and self.blocks.can_allocate(self.waiting[0]):
             seq = self.waiting.popleft()
             self.blocks.allocate(seq)
-            seq.status = Status.RUNNING
+            seq.status, seq.pending = Status.RUNNING, seq.length
             bisect.insort(self.running, seq, key=lambda s: s.order)
             admitted.append(seq)
         return admitted
@@ -99,8 +104,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def append(self, seq: Sequence, token: int) -> None:
-        """Record a generated token and finish the sequence on a stop id, max_tokens or full context."""
+        """Record a generated token and finish the sequence on a stop id, max_tokens or full context.
+        A token is drawn only once a sequence's prefill is done: nothing of it is pending any more."""
         seq.output_ids.append(token)
+        seq.pending = 0
         p = seq.params
         if (not p.ignore_eos and token in self.eos_ids) or token in p.stop_token_ids:
             seq.finish("stop")

@@ -36,6 +36,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # owned by the block manager
     order: int = -1  # arrival order in the scheduler: the highest running one is preempted first
     preemptions: int = 0
+    pending: int = 0  # tokens still to prefill in this admission (a chunked prefill spans steps)
     arrival: float = field(default_factory=time.monotonic)
 
     @property
@@ -45,6 +46,10 @@ class Sequence:
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.resume_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return (self.output_ids or self.resume_ids or self.prompt_ids)[-1]
 
     @property
     def num_completion(self) -> int:

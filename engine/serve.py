@@ -62,7 +62,8 @@ async def serve(cfg: EngineConfig, model_cfg: ModelConfig, argv: list[str],
     metrics = EngineMetrics(cfg.model_name)
     keep: dict = {}
     engine = AsyncEngine(lambda: build_engine(cfg, model_cfg, keep), on_step=metrics.set_queue,
-                         on_fatal=lambda e: loop.call_soon(fail, f"the engine failed: {e}"))
+                         on_fatal=lambda e: loop.call_soon(fail, f"the engine failed: {e}"),
+                         on_graphs=metrics.set_graphs)
     server = EngineServer(cfg, engine, metrics, admin_token)
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()

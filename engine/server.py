@@ -86,7 +86,9 @@ class EngineServer:
     async def ready(self, request: web.Request) -> web.Response:
         if self.state != "ready" or self.engine.error is not None:
             return web.json_response({"ready": False, "state": self.state}, status=503)
-        return web.json_response({"ready": True, **self.info, **self.engine.kv_usage.fields()})
+        return web.json_response({"ready": True, **self.info, **self.engine.kv_usage.fields(),
+                                  "cuda_graph_buckets": self.engine.graphs_captured,
+                                  "cuda_graph_buckets_total": self.engine.graphs_total})
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")

@@ -1,0 +1,110 @@
+"""Fused ops of the CUDA path, each beside the torch reference it must equal.
+
+On a CUDA tensor (with Triton importable) each op is one Triton kernel (``engine.triton_kernels``);
+elsewhere it is the reference below, so the CPU path computes exactly what it did before. Every op
+writes a new tensor: nothing here writes to a weight or to an input.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from engine import triton_kernels as tk
+except ImportError:  # a CPU-only install: the references are the only path
+    tk = None
+
+
+def available(device: torch.device) -> bool:
+    return tk is not None and device.type == "cuda"
+
+
+def _pow2(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << (max(n, 1) - 1).bit_length())
+
+
+# --- RMSNorm, with the residual add before it ------------------------------------------------------
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x + residual), x + residual)``; without ``residual``: ``(norm(x), x)``."""
+    if not (available(x.device) and weight.dtype == x.dtype):
+        if residual is not None:
+            x = x + residual
+        return rms_norm_ref(x, weight, eps), x
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    out = torch.empty_like(x2)
+    res_out = torch.empty_like(x2) if residual is not None else x2
+    r2 = residual.reshape(-1, n) if residual is not None else x2
+    tk.rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0),
+                                       res_out.stride(0), n, eps, HAS_RESIDUAL=residual is not None,
+                                       BLOCK=_pow2(n), num_warps=4 if n <= 4096 else 8)
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+# --- SwiGLU --------------------------------------------------------------------------------------
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if not available(gate.device):
+        return F.silu(gate) * up
+    n = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)
+    out = torch.empty_like(g2)
+    block = min(1024, _pow2(n))
+    tk.silu_mul_kernel[(g2.shape[0], -(-n // block))](g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), n,
+                                                       BLOCK=block)
+    return out.view(gate.shape)
+
+
+# --- RoPE ----------------------------------------------------------------------------------------
+def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D], positions [B, T]; the tables are float32 [max_len, D] (``engine.layers.Rotary``)."""
+    if not available(x.device):
+        cos = cos_table[positions].unsqueeze(2).to(x.dtype)
+        sin = sin_table[positions].unsqueeze(2).to(x.dtype)
+        return apply_rope_ref(x, cos, sin)
+    b, t, h, d = x.shape
+    x3 = x.reshape(b * t, h, d)
+    out = torch.empty((b * t, h, d), dtype=x.dtype, device=x.device)
+    pos = positions.reshape(-1)
+    tk.rope_kernel[(b * t, h)](x3, out, pos, cos_table, sin_table, x3.stride(0), x3.stride(1), out.stride(0),
+                               out.stride(1), cos_table.stride(0), HALF=d // 2, BLOCK=_pow2(d // 2))
+    return out.view(b, t, h, d)
+
+
+# --- the paged KV: store and decode attention ------------------------------------------------------
+def store_kv(kv, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v [N, Hkv, D] (rows contiguous) into the pool at ``slots`` [N] (global slot ids; < 0: skip)."""
+    n, hkv, d = k.shape
+    hd = hkv * d
+    tk.store_kv_kernel[(n,)](k, v, kv.anchor, kv.offsets, slots, layer, k.stride(0), v.stride(0),
+                             kv.offsets.stride(0), kv.offsets.stride(1), BS=kv.block_size, HD=hd,
+                             BLOCK=min(1024, _pow2(hd)))
+
+
+def paged_decode(kv, layer: int, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """q [B, H, D] (one token per row) attends to each row's ``lens[b]`` positions, read in place
+    through ``tables`` [width, >= B] (block ids, column b = row b) -> [B, H, D]."""
+    b, h, d = q.shape
+    group = h // kv.kv_heads
+    out = torch.empty_like(q)
+    tk.paged_decode_kernel[(b, kv.kv_heads)](
+        q, out, kv.anchor, kv.offsets, tables, lens, layer, d ** -0.5,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0), tables.stride(1),
+        kv.offsets.stride(0), kv.offsets.stride(1),
+        H_KV=kv.kv_heads, GROUP=group, D=d, BS=kv.block_size, BLOCK_H=_pow2(group, 16), BLOCK_D=_pow2(d, 16),
+        BLOCK_N=64 if d <= 128 else 32, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+    return out

@@ -1,0 +1,144 @@
+"""Triton kernels of the CUDA path: paged-KV store and decode attention, RMSNorm (with the residual
+add), SwiGLU's ``silu(gate) * up``, and RoPE. ``engine.fused`` calls them (and holds the torch
+reference of each, used on CPU); nothing else imports this module.
+
+The paged KV is a list of chunk tensors (``engine.kv_cache``). A kernel reaches any block of any
+chunk through one base pointer, the pool's ``anchor`` (a tensor of the KV dtype that lives as long
+as the pool), plus an element offset per (k or v, layer, block) from ``KVPool.offsets``: chunks come
+and go with a resize, the anchor and the offsets tensor stay, so a captured CUDA graph stays valid.
+
+Elementwise kernels round where torch's eager ops round (each bf16 op's result), so the fused path
+computes what the eager one does, up to the order of a reduction's sum.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["layer"])
+def store_kv_kernel(k_ptr, v_ptr, anchor_ptr, offsets_ptr, slots_ptr, layer, stride_k, stride_v,
+                    off_which, off_layer, BS: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per token: write its k and v (``HD`` = kv_heads * head_dim values) at its slot;
+    a slot < 0 (a padded row) writes nothing."""
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t)
+    if slot >= 0:
+        block = slot // BS
+        within = (slot % BS) * HD
+        base = offsets_ptr + layer * off_layer + block
+        k_dst = tl.load(base) + within
+        v_dst = tl.load(base + off_which) + within
+        for start in range(0, HD, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            m = i < HD
+            tl.store(anchor_ptr + k_dst + i, tl.load(k_ptr + t * stride_k + i, mask=m), mask=m)
+            tl.store(anchor_ptr + v_dst + i, tl.load(v_ptr + t * stride_v + i, mask=m), mask=m)
+
+
+@triton.jit(do_not_specialize=["layer"])
+def paged_decode_kernel(q_ptr, o_ptr, anchor_ptr, offsets_ptr, tables_ptr, lens_ptr, layer, sm_scale,
+                        stride_qb, stride_qh, stride_ob, stride_oh, stride_tw, stride_tb, off_which, off_layer,
+                        H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                        IEEE: tl.constexpr):
+    """One program per (row, kv head): the row's ``GROUP`` query heads against its ``lens[row]``
+    positions, read in place from the blocks of ``tables[:, row]``; online softmax in fp32.
+    A row of length 0 (padding) gets zeros."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n = tl.load(lens_ptr + b)
+    hs = tl.arange(0, BLOCK_H)
+    ds = tl.arange(0, BLOCK_D)
+    hmask, dmask = hs < GROUP, ds < D
+    heads = kvh * GROUP + hs
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + ds[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    k_offsets = offsets_ptr + layer * off_layer
+    for start in range(0, n, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pmask = pos < n
+        block = tl.load(tables_ptr + (pos // BS) * stride_tw + b * stride_tb, mask=pmask, other=0)
+        within = (pos % BS) * (H_KV * D) + kvh * D
+        k_at = tl.load(k_offsets + block, mask=pmask, other=0) + within
+        v_at = tl.load(k_offsets + off_which + block, mask=pmask, other=0) + within
+        kv_mask = pmask[:, None] & dmask[None, :]
+        k = tl.load(anchor_ptr + k_at[:, None] + ds[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(pmask[None, :], s * sm_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(anchor_ptr + v_at[:, None] + ds[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + ds[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n, eps,
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: ``res = x + r`` (if given, rounded to x's dtype), then
+    ``w * (res * rsqrt(mean(res^2) + eps)).to(dtype)``."""
+    row = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    m = i < n
+    x = tl.load(x_ptr + row * stride_x + i, mask=m, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(r_ptr + row * stride_r + i, mask=m, other=0.0).to(tl.float32))
+        x = x.to(out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_ro + i, x, mask=m)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / n
+    y = (xf * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + i, mask=m, other=0.0)
+    tl.store(out_ptr + row * stride_o + i, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    g = tl.load(g_ptr + row * stride_g + i, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + i, mask=m, other=0.0)
+    s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + i, (s.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def rope_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
+                HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per (token, head): ``x * cos + rotate_half(x) * sin`` with cos/sin rounded to x's
+    dtype and each product and the sum rounded, as torch's eager ops do."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, BLOCK)
+    m = i < HALF
+    p = tl.load(pos_ptr + t)
+    dt = out_ptr.dtype.element_ty
+    x1 = tl.load(x_ptr + t * stride_xt + h * stride_xh + i, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + t * stride_xt + h * stride_xh + HALF + i, mask=m, other=0.0).to(tl.float32)
+    c1 = tl.load(cos_ptr + p * stride_c + i, mask=m, other=0.0).to(dt).to(tl.float32)
+    c2 = tl.load(cos_ptr + p * stride_c + HALF + i, mask=m, other=0.0).to(dt).to(tl.float32)
+    s1 = tl.load(sin_ptr + p * stride_c + i, mask=m, other=0.0).to(dt).to(tl.float32)
+    s2 = tl.load(sin_ptr + p * stride_c + HALF + i, mask=m, other=0.0).to(dt).to(tl.float32)
+    lo = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+    hi = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    base = out_ptr + t * stride_ot + h * stride_oh
+    tl.store(base + i, lo.to(dt), mask=m)
+    tl.store(base + HALF + i, hi.to(dt), mask=m)
