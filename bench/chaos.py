@@ -296,7 +296,7 @@ async def wait_quiet(s: Soak, timeout: float = 20.0) -> dict:
                         text = await r.text()
                     info["engine_running"][inst["name"]] = sum(
                         float(line.split()[-1]) for line in text.splitlines()
-                        if line.startswith("engine_requests_running"))
+                        if line.startswith("failover_engine_num_requests_running"))
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                     info["engine_running"][inst["name"]] = type(e).__name__
             info["ok"] = (info["router_inflight"] == 0 and info["router_queued"] == 0

@@ -86,11 +86,15 @@ class LoadSampler:
         return (total - last[1]) / (count - last[2])
 
 
+TTFT_FAMILIES = ("failover_engine_time_to_first_token_seconds", "vllm:time_to_first_token_seconds")
+
+
 def ttft_totals(metrics_text: str) -> tuple[float, float]:
-    """(sum of seconds, count) of an engine's time-to-first-token histogram, from its /metrics page."""
+    """(sum of seconds, count) of an engine's time-to-first-token histogram, from its /metrics page
+    (the reference engine's, or vLLM's under its own name)."""
     total = count = 0.0
     for family in text_string_to_metric_families(metrics_text):
-        if family.name == "engine_time_to_first_token_seconds":
+        if family.name in TTFT_FAMILIES:
             for sample in family.samples:
                 if sample.name.endswith("_sum"):
                     total += sample.value
