@@ -52,7 +52,7 @@ class SupervisorCollector:
         yield _counter(p + "hangs", "Silent daemon or zygote found by a liveness ping and killed, by process",
                        [((dog.event.removesuffix("_hung"),), dog.hangs) for dog in self.watchdogs], ["process"])
         state = GaugeMetricFamily(p + "slot_state", "1 for the instance slot's process state, 0 for the "
-                                  "others", labels=["service", "instance", "state"])
+                                  "others", labels=["service", "slot", "state"])
         launches, backoffs, relaunch = [], [], []
         for slot in self.slots.values():
             for s in SLOT_STATES:
@@ -62,7 +62,7 @@ class SupervisorCollector:
             if slot.last_relaunch_s is not None:
                 relaunch.append(((slot.service, slot.name), slot.last_relaunch_s))
         yield state
-        labels = ["service", "instance"]
+        labels = ["service", "slot"]
         yield _counter(p + "relaunches", "Engine processes started after a slot's first (crash, fence, "
                        "drain, resume)", launches, labels)
         yield _counter(p + "restart_backoffs", "Relaunches that waited a backoff delay first (repeated "
