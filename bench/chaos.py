@@ -43,6 +43,7 @@ import chaos_report  # noqa: E402
 from chaos_clients import Quitters, SdkClients  # noqa: E402
 from chaos_node import REPO, SERVICE, Node, default_starter, leftovers, wait_gone  # noqa: E402
 from loadgen import Load  # noqa: E402
+import timeline_png  # noqa: E402
 
 @dataclass
 class Options:
@@ -57,6 +58,7 @@ class Options:
     keep: bool = False
     only: tuple[str, ...] = ()  # restrict the fault kinds (debugging one class of fault)
     min_faults: int = 0  # go on past the duration (up to twice it) until this many faults were injected
+    png: Path | None = None  # a PNG timeline of the clients' tokens with the primary faults marked
 
 
 def batch_supported() -> bool:
@@ -273,6 +275,9 @@ async def drive(s: Soak, use_batch: bool) -> dict:
         stop.set()
         await asyncio.gather(*clients)
     elapsed = time.monotonic() - s.t0
+    if opts.png is not None:
+        hits = [f.at for f in s.faults if f.target == "primary"]
+        timeline_png.write(opts.png, load.outcomes + sdk.outcomes, hits, title="bench/chaos.py: faults of the primary")
     quiesce = await wait_quiet(s)
     await s.check_daemon("end of the run")
     metrics = await node.metrics(s.session)
@@ -320,6 +325,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--warmup", type=float, default=3.0, help="calm seconds before the first fault")
     p.add_argument("--min-faults", type=int, default=0,
                    help="go on past --duration (at most twice it) until this many faults were injected")
+    p.add_argument("--png", type=Path, default=None, help="write a PNG timeline (clients' tokens, faults of the "
+                   "primary marked; needs matplotlib: the [plots] extra)")
     p.add_argument("--keep", action="store_true", help="keep the work dir (model, config, node.log)")
     p.add_argument("--only", default="", help="comma-separated fault kinds, e.g. kill:daemon,freeze:primary "
                    f"(default: all of {', '.join(cf.KINDS + cf.BATCH_KINDS)})")

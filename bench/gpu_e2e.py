@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from attach import write_model  # noqa: E402
 from client_figures import fault_figures  # noqa: E402
+import timeline_png  # noqa: E402
 from loadgen import Load  # noqa: E402
 
 from failover_common.logs import configure_logging  # noqa: E402
@@ -84,6 +85,7 @@ def rss_bytes(pid: int | None) -> int:
 
 
 CUDA = True  # --device cpu runs the same steps on the tiny model (a smoke test of this script)
+PNG: Path | None = None  # --png: the crash round's timeline
 
 
 def make_checkpoint(d: Path, layers: int) -> int:
@@ -253,6 +255,11 @@ async def failover_round(sup, report: dict) -> None:
     report["crash_longest_stream_stall_ms"] = None if fig.longest_stall_ms is None else round(fig.longest_stall_ms, 1)
     report["crash_inflight_failed"] = f"{fig.failed} of {fig.inflight}"
     report["router_failover"] = json.dumps(sup.router.promoter.last_failover, default=str)
+    if PNG is not None:
+        marks = timeline_png.marks_from_router([sup.router.promoter.last_failover.get("chat", {})])
+        marks[0]["relaunched"] = slot.ready_at
+        report["timeline_png"] = timeline_png.write(PNG, load.outcomes, [killed], marks,
+                                                    title="bench/gpu_e2e.py: kill -9 of the primary")
     report["requests"] = len(load.outcomes)
     report["failed"] = sum(not o.ok for o in load.outcomes)
 
@@ -306,8 +313,11 @@ def main() -> int:
     p.add_argument("--batch-run", type=float, default=5.0, help="seconds of batch work before the preemption")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke test on the tiny model")
     p.add_argument("--save-log", type=Path, default=None, help="copy the node's log (every process) here")
+    p.add_argument("--png", type=Path, default=None, help="write a PNG timeline of the crash round here "
+                   "(needs matplotlib: the [plots] extra)")
     a = p.parse_args()
-    global CUDA
+    global CUDA, PNG
+    PNG = a.png
     CUDA = a.device == "cuda"
     a.dtype = "bfloat16" if CUDA else "float32"
     if not CUDA:
