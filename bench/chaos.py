@@ -44,6 +44,7 @@ import chaos_report  # noqa: E402
 from chaos_clients import Quitters, SdkClients  # noqa: E402
 from chaos_node import REPO, SERVICE, Node, default_starter, leftovers, wait_gone  # noqa: E402
 from loadgen import Load  # noqa: E402
+import timeline_png  # noqa: E402
 
 @dataclass
 class Options:
@@ -59,6 +60,7 @@ class Options:
     only: tuple[str, ...] = ()  # restrict the fault kinds (debugging one class of fault)
     min_faults: int = 0  # go on past the duration (up to twice it) until this many faults were injected
     min_primary_faults: int = 0  # ... and this many of them hit the primary (the client figures' p99)
+    png: Path | None = None  # a PNG timeline of the clients' tokens with the primary faults marked
 
 
 def batch_supported() -> bool:
@@ -276,6 +278,9 @@ async def drive(s: Soak, use_batch: bool) -> dict:
         stop.set()
         await asyncio.gather(*clients)
     elapsed = time.monotonic() - s.t0
+    if opts.png is not None:
+        hits = [f.at for f in s.faults if f.target == "primary"]
+        timeline_png.write(opts.png, load.outcomes + sdk.outcomes, hits, title="bench/chaos.py: faults of the primary")
     quiesce = await wait_quiet(s)
     await s.check_daemon("end of the run")
     metrics = await node.metrics(s.session)
@@ -299,7 +304,7 @@ async def wait_quiet(s: Soak, timeout: float = 20.0) -> dict:
                         text = await r.text()
                     info["engine_running"][inst["name"]] = sum(
                         float(line.split()[-1]) for line in text.splitlines()
-                        if line.startswith("engine_requests_running"))
+                        if line.startswith("failover_engine_num_requests_running"))
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                     info["engine_running"][inst["name"]] = type(e).__name__
             info["ok"] = (info["router_inflight"] == 0 and info["router_queued"] == 0
@@ -326,6 +331,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--min-primary-faults", type=int, default=0,
                    help="go on past --duration (at most twice it) until this many faults hit the primary "
                    "(20: the client figures' p50/p99/max over 20 faults)")
+    p.add_argument("--png", type=Path, default=None, help="write a PNG timeline (clients' tokens, faults of the "
+                   "primary marked; needs matplotlib: the [plots] extra)")
     p.add_argument("--keep", action="store_true", help="keep the work dir (model, config, node.log)")
     p.add_argument("--only", default="", help="comma-separated fault kinds, e.g. kill:daemon,freeze:primary "
                    f"(default: all of {', '.join(cf.KINDS + cf.BATCH_KINDS)})")

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engines import EngineProc, free_port  # noqa: E402
 from client_figures import fault_figures, line as client_line, stall_span, summarize  # noqa: E402
 from cpu_share import CpuSampler  # noqa: E402
+import timeline_png  # noqa: E402
 from loadgen import Load, percentile, summary  # noqa: E402
 
 SERVICE = "default"
@@ -172,6 +173,11 @@ async def fault_phase(model: Path, logs: Path, args: argparse.Namespace, sig: in
         if args.dump:
             dump = {"faults": faults, "router": records, "outcomes": [dataclasses.asdict(o) for o in load.outcomes]}
             Path(f"{args.dump}.{signal.Signals(sig).name}.json").write_text(json.dumps(dump))
+        if args.png:
+            png = Path(args.png).with_suffix(f".{signal.Signals(sig).name}.png")
+            timeline_png.write(png, load.outcomes, faults, timeline_png.marks_from_router(records),
+                               title=f"bench/failover.py: {signal.Signals(sig).name} of the primary")
+            print(f"  timeline: {png}", flush=True)
     finally:
         await router.stop()
         launcher.stop_all()
@@ -354,6 +360,8 @@ def main() -> int:
                    "processes used fewer cores than this around it (the figures are printed for those too)")
     p.add_argument("--dump", metavar="PREFIX", help="write faults, the router's records and every client "
                    "record to PREFIX.SIGKILL.json / PREFIX.SIGSTOP.json")
+    p.add_argument("--png", metavar="PATH", help="write a PNG timeline per phase to PATH with .SIGKILL/.SIGSTOP "
+                   "before its suffix (needs matplotlib: the [plots] extra)")
     return asyncio.run(main_async(p.parse_args()))
 
 

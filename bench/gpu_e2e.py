@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -91,6 +90,7 @@ def rss_bytes(pid: int | None) -> int:
 
 
 CUDA = True  # --device cpu runs the same steps on the tiny model (a smoke test of this script)
+PNG: Path | None = None  # --png: the crash round's timeline
 
 
 def make_checkpoint(d: Path, layers: int) -> int:
@@ -179,7 +179,7 @@ async def measure(a, work: Path, model: Path, nbytes: int, report: dict) -> None
                     limit = nbytes + kv + 3 * 2**30
                     report["node_limit_gib"] = round(limit / 2**30, 2)
                     report["node_within_limit"] = int(used * 2**20 <= limit)
-            await failover_rounds(sup, report, faults=a.faults, warmup=a.warmup, settle=a.settle)
+            await failover_rounds(sup, report, faults=a.faults, warmup=a.warmup, settle=a.settle, png=PNG)
             if batch_in is not None:
                 await preempt_round(sup, report, a)
             write_fault(sup, model, report)
@@ -240,8 +240,11 @@ def main() -> int:
                    help="seconds of load between a round's ready standby and the next kill (2 on CUDA, 1 on CPU)")
     p.add_argument("--warmup", type=float, default=None, help="seconds of load before the first kill (12 on CUDA, 2 on CPU)")
     p.add_argument("--save-log", type=Path, default=None, help="copy the node's log (every process) here")
+    p.add_argument("--png", type=Path, default=None, help="write a PNG timeline of the crash round here "
+                   "(needs matplotlib: the [plots] extra)")
     a = p.parse_args()
-    global CUDA
+    global CUDA, PNG
+    PNG = a.png
     CUDA = a.device == "cuda"
     a.dtype = "bfloat16" if CUDA else "float32"
     if a.faults < 1:

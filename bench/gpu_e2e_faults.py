@@ -62,7 +62,7 @@ def _whole(sup) -> bool:
 
 
 async def failover_rounds(sup, report: dict, *, faults: int, warmup: float, settle: float,
-                          concurrency: int = 16) -> None:
+                          concurrency: int = 16, png=None) -> None:
     load = Load(sup.router.url, max_tokens=32)
     async with aiohttp.ClientSession() as s:
         await load.learn_expected(s)
@@ -107,6 +107,11 @@ async def failover_rounds(sup, report: dict, *, faults: int, warmup: float, sett
     report["failed"] = sum(not o.ok for o in load.outcomes)
     report["broken_streams"] = sum(1 for o in load.outcomes if o.stream and not o.ok)
     report.update(_throughput(load, kills[0]) if kills else {})
+    if png is not None and kills:  # --png: the clients' tokens around each kill, the router's steps marked
+        import timeline_png
+
+        report["timeline_png"] = timeline_png.write(png, load.outcomes, kills, timeline_png.marks_from_router(routers),
+                                                    title="bench/gpu_e2e.py: kill -9 of the primary")
 
 
 async def kill_primary(sup) -> float:

@@ -48,6 +48,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--chunk-mib", type=int, default=0, help="CUDA: physical chunk size in MiB (0: one chunk)")
     p.add_argument("--die-with-parent", action="store_true", help="exit (SIGTERM) when the parent process dies")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--progress", default="auto", choices=["auto", "bar", "events", "off"],
+                   help="the load's progress: a bar on stderr (bar), load_progress log events (events), "
+                        "none (off); auto: a bar on a terminal, events otherwise")
     return p.parse_args(argv)
 
 
@@ -61,7 +64,7 @@ def build_settings(a: argparse.Namespace) -> DaemonSettings:
                           run_dir=a.run_dir.absolute(), force=a.force, client_timeout=a.client_timeout,
                           frame_timeout=a.frame_timeout, max_buffered=a.max_buffered_mib << 20,
                           allow_uids=frozenset(a.allow_uid), chunk_bytes=a.chunk_mib << 20,
-                          die_with_parent=a.die_with_parent, log_level=a.log_level)
+                          die_with_parent=a.die_with_parent, log_level=a.log_level, progress=a.progress)
 
 
 def main(argv: list[str]) -> int:

@@ -25,10 +25,10 @@ from .layout import open_checkpoint, validate
 from failover_common.logs import configure_logging
 from .manifest import ArenaSpec, Manifest, plan
 from failover_common.proc import die_with_parent
-from .protocol import LoadFailed, Register, Registered
+from .protocol import LoadFailed, LoadProgress, Register, Registered
 
 log = structlog.get_logger(__name__)
-PROGRESS_EVERY_S = 2.0
+PROGRESS_EVERY_S = 0.25  # LoadProgress frames to the daemon (which draws or logs them)
 
 
 class _Arena:
@@ -87,7 +87,28 @@ def _device_index(device: str, rank: int) -> int:
     return rank % torch.cuda.device_count()
 
 
-def load_rank(ckpt, args, rank: int, chan: socket.socket) -> None:
+class Progress:
+    """Bytes packed by this loader, every rank together, reported to the daemon now and then."""
+
+    def __init__(self, chan: socket.socket, total: int) -> None:
+        self.chan, self.total, self.done = chan, total, 0
+        self._last = float("-inf")
+
+    def add(self, nbytes: int, *, force: bool = False) -> None:
+        self.done += nbytes
+        now = time.perf_counter()
+        if force or now - self._last >= PROGRESS_EVERY_S:
+            self._last = now
+            framing.send_frame(self.chan, LoadProgress(self.done, self.total))
+
+
+def rank_bytes(ckpt, args, rank: int) -> int:
+    """The arena size of ``rank`` (its plan, from the checkpoint's headers: nothing read yet)."""
+    specs, _ = rank_specs(ckpt, dtype=args.dtype, tp_size=args.tp, tp_rank=rank, transform=args.transform)
+    return plan(specs)[1]
+
+
+def load_rank(ckpt, args, rank: int, chan: socket.socket, progress: Progress) -> None:
     device_index = _device_index(args.device, rank)
     device = "cpu" if args.device == "cpu" else f"cuda:{device_index}"
     config = make_config(ckpt.path, dtype=args.dtype, tp_size=args.tp, tp_rank=rank,
@@ -98,16 +119,12 @@ def load_rank(ckpt, args, rank: int, chan: socket.socket) -> None:
     log.info("rank_load_started", rank=rank, tensors=len(entries), bytes=size, device=device)
     arena = _Arena(size, args.device, device_index, args.chunk_bytes, f"{config.key}-r{rank}")
     try:
-        t0 = last = time.perf_counter()
-        done = 0
+        t0 = time.perf_counter()
         for (name, tensor), entry in zip(iter_rank_tensors(ckpt, **kw), entries, strict=True):
             assert name == entry.name and tuple(tensor.shape) == entry.shape, (name, entry.name)
             arena.write(entry.offset, tensor)
-            done += entry.nbytes
-            if time.perf_counter() - last > PROGRESS_EVERY_S:
-                last = time.perf_counter()
-                log.info("load_progress", rank=rank, bytes=done, total=size,
-                         gbps=round(done / (last - t0) / 1e9, 2))
+            progress.add(entry.nbytes)
+        progress.add(size - sum(e.nbytes for e in entries), force=True)  # alignment padding: the rank is whole
         fds = arena.finish()
         manifest = Manifest(tuple(entries), aliases, (arena.spec,))
         try:
@@ -148,8 +165,9 @@ def main(argv: list[str]) -> int:
     try:
         ckpt = open_checkpoint(args.model)
         validate(ckpt, args.tp)
+        progress = Progress(chan, sum(rank_bytes(ckpt, args, rank) for rank in ranks))
         for rank in ranks:
-            load_rank(ckpt, args, rank, chan)
+            load_rank(ckpt, args, rank, chan, progress)
     except CacheError as e:
         log.error("load_failed", error=type(e).__name__, message=str(e))
         framing.send_frame(chan, LoadFailed(type(e).__name__, str(e)))

@@ -11,12 +11,13 @@ import asyncio
 import os
 import socket
 import sys
+from collections.abc import Callable
 
 import structlog
 
 from . import framing
 from .errors import ProtocolError
-from .protocol import MAX_FDS, LoadFailed, Register, Registered
+from .protocol import MAX_FDS, LoadFailed, LoadProgress, Register, Registered
 from .residents import Registry
 from .settings import DaemonSettings
 
@@ -31,8 +32,10 @@ def loader_cmd(s: DaemonSettings, channel_fd: int) -> list[str]:
             "--parent-pid", str(os.getpid()), "--log-level", s.log_level]
 
 
-async def run_loader(s: DaemonSettings, registry: Registry) -> str | None:
-    """Load every rank into ``registry``; None on success, else why it failed (one line)."""
+async def run_loader(s: DaemonSettings, registry: Registry,
+                     on_progress: Callable[[int, int], None] = lambda done, total: None) -> str | None:
+    """Load every rank into ``registry``; None on success, else why it failed (one line).
+    ``on_progress(done, total)``: bytes packed so far, as the loader reports them."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     proc = None
     try:
@@ -41,7 +44,7 @@ async def run_loader(s: DaemonSettings, registry: Registry) -> str | None:
         theirs.close()
         ours.setblocking(False)
         log.info("loader_started", pid=proc.pid)
-        failure = await _receive_ranks(ours, registry, s.tp)
+        failure = await _receive_ranks(ours, registry, s.tp, on_progress)
         rc = await proc.wait()
         if failure is None and rc != 0:
             failure = f"loader exited with status {rc} after registering every rank"
@@ -53,7 +56,8 @@ async def run_loader(s: DaemonSettings, registry: Registry) -> str | None:
             await _end(proc)
 
 
-async def _receive_ranks(chan: socket.socket, registry: Registry, ranks: int) -> str | None:
+async def _receive_ranks(chan: socket.socket, registry: Registry, ranks: int,
+                         on_progress: Callable[[int, int], None]) -> str | None:
     while len(registry) < ranks:
         try:
             msg, fds = await framing.async_recv_frame(chan, max_fds=MAX_FDS)
@@ -61,6 +65,9 @@ async def _receive_ranks(chan: socket.socket, registry: Registry, ranks: int) ->
             return f"loader channel broke: {e} (see the loader's log above)"
         if isinstance(msg, LoadFailed):
             return f"{msg.code}: {msg.message}"
+        if isinstance(msg, LoadProgress) and not fds:
+            on_progress(msg.done, msg.total)
+            continue
         if not isinstance(msg, Register) or len(fds) != msg.nfds or msg.nfds != msg.manifest.nfds:
             framing.close_fds(fds)
             return f"loader sent {type(msg).__name__} with {len(fds)} fds: a loader bug"

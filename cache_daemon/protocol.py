@@ -89,6 +89,13 @@ class StatusReply(_Msg, tag="status_reply"):
     clients: int  # connections open now
     attached: int  # of those, how many hold a mapping (fetched and still connected)
     buffered: int = 0  # bytes reserved by frames being received now (capped by --max-buffered-mib)
+    load: LoadState | None = None  # the load's progress (its last state once loaded)
+
+
+class LoadState(msgspec.Struct, frozen=True):
+    done: int  # bytes packed so far, every rank of the load together
+    total: int
+    seconds: float  # since the load started
 
 
 class Pong(_Msg, tag="pong"):
@@ -116,13 +123,18 @@ class Registered(_Msg, tag="registered"):
     pass
 
 
+class LoadProgress(_Msg, tag="load_progress"):
+    done: int  # bytes packed so far, every rank of this load together (no reply)
+    total: int
+
+
 class LoadFailed(_Msg, tag="load_failed"):
     code: str
     message: str
 
 
 Message = Union[Hello, Query, Fetch, Status, Ping, Evict, Welcome, QueryReply, FetchReply, StatusReply,
-                Pong, Evicted, Error, Register, Registered, LoadFailed]
+                Pong, Evicted, Error, Register, Registered, LoadProgress, LoadFailed]
 TAGS = {cls.__struct_config__.tag for cls in Message.__args__}
 ERROR_CODES = ("bad_frame", "too_large", "malformed", "unknown_type", "unexpected", "bad_version",
                "timeout", "busy", "forbidden", "not_resident", "mismatch", "in_use", "internal")

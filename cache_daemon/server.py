@@ -17,6 +17,7 @@ import os
 import resource
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -26,10 +27,11 @@ from . import framing, runfiles
 from .errors import FingerprintMismatch, NotResident, ProtocolError
 from .peers import peer_allowed, peer_credentials
 from .loading import run_loader
-from .protocol import (PROTOCOL_VERSION, Error, Evict, Evicted, Fetch, FetchReply, Hello, Ping, Pong, Query,
-                       QueryReply, Status, StatusReply, Welcome)
+from .protocol import (PROTOCOL_VERSION, Error, Evict, Evicted, Fetch, FetchReply, Hello, LoadState, Ping, Pong,
+                       Query, QueryReply, Status, StatusReply, Welcome)
 from .residents import Registry, Resident
 from .settings import DaemonSettings
+from failover_common.progress import LoadBar
 
 log = structlog.get_logger(__name__)
 STOP_TIMEOUT_S = 5.0  # per shutdown step
@@ -94,6 +96,7 @@ class Daemon:
         self.conns: set[_Conn] = set()
         self.budget = framing.FrameBudget(settings.max_buffered)  # frames being received, all clients
         self.loading = True
+        self.load: LoadState | None = None  # the loader's last progress report
         self.exit_code = 0
         self.failure: str | None = None  # why the load failed, for the CLI's one-line error
         self._tasks: set[asyncio.Task] = set()
@@ -144,7 +147,22 @@ class Daemon:
     # ---- the loader child --------------------------------------------------------------------
 
     async def _load(self) -> None:
-        failure = await run_loader(self.s, self.registry)
+        t0 = time.monotonic()
+        bar = LoadBar("loading weights", sys.stderr, self.s.progress, model=str(self.s.model))
+
+        def progress(done: int, total: int) -> None:
+            self.load = LoadState(done, total, round(time.monotonic() - t0, 3))
+            bar.update(done, total, self.load.seconds)
+
+        try:
+            failure = await run_loader(self.s, self.registry, progress)
+        except BaseException:  # cancelled (shutdown): the bar's line ends, the cancel goes on
+            bar.abandon()
+            raise
+        if failure is None and self.load is not None:
+            bar.finish(self.load.total, time.monotonic() - t0)
+        else:
+            bar.abandon()  # the error goes on a line of its own
         if failure is not None:
             log.error("load_failed", message=failure)
             self.failure = failure
@@ -304,4 +322,5 @@ class Daemon:
     def _status(self) -> StatusReply:
         return StatusReply(pid=os.getpid(), version=PROTOCOL_VERSION, loading=self.loading,
                            models=self.registry.status(), clients=len(self.conns),
-                           attached=sum(1 for c in self.conns if c.attached), buffered=self.budget.used)
+                           attached=sum(1 for c in self.conns if c.attached), buffered=self.budget.used,
+                           load=self.load)

@@ -32,8 +32,11 @@ class DaemonSettings:
     chunk_bytes: int = 0  # CUDA: split an arena into chunks of at most this many bytes (0: one)
     die_with_parent: bool = False
     log_level: str = "info"
+    progress: str = "auto"  # the load's progress: bar (a terminal), events (structlog), off, auto
 
     def __post_init__(self) -> None:
+        if self.progress not in ("auto", "bar", "events", "off"):
+            raise ValueError(f"--progress must be auto, bar, events or off, not {self.progress!r}")
         if self.tp < 1:
             raise ValueError(f"--tp must be at least 1, not {self.tp}")
         if self.device not in ("cpu", "cuda"):

@@ -33,6 +33,7 @@ from router.looplag import LoopLag
 from router.metrics import CONTENT_TYPE, Metrics
 from router.promotion import Promoter
 from router.proxy import Proxy, error_body
+from router.status_page import StatusPage
 
 log = structlog.get_logger(__name__)
 
@@ -250,6 +251,8 @@ class Router:
         token = read_token(self.config.admin_token_file) if self.config.admin_token_file else None
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_json_errors])
         app.add_routes(AdminAPI(self, token).routes())
+        self.status_page = StatusPage(self, token)  # /status and /: read-only, the same token
+        self.status_page.install(app)
         app.add_routes([web.get("/health", self._health), web.get("/ready", self._ready),
                         web.get("/metrics", self._metrics),
                         web.route("*", "/v1/{tail:.*}", self.proxy.handle)])

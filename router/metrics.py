@@ -35,9 +35,9 @@ class Metrics:
         self.retries = Counter(PREFIX + "retries_total", "Requests re-sent before any byte reached "
                                "the client", ["service"], registry=r)
         self.up = Gauge(PREFIX + "backend_up", "1 while the instance's last health verdict is ready",
-                        ["service", "instance"], registry=r)
+                        ["service", "backend"], registry=r)
         self.role = Gauge(PREFIX + "backend_role", "1 for the instance's current role, 0 for the others",
-                          ["service", "instance", "role"], registry=r)
+                          ["service", "backend", "role"], registry=r)
         self.queued = Gauge(PREFIX + "queued_requests", "Requests waiting for a ready primary",
                             ["service"], registry=r)
         self.loop_lag = Histogram(PREFIX + "loop_lag_seconds", "How late the router's event loop ran a "
@@ -46,7 +46,7 @@ class Metrics:
                                   registry=r)
         self.probes_discounted = Counter(PREFIX + "probes_discounted_total", "Probe timeouts not counted "
                                          "because the router's own loop stalled meanwhile",
-                                         ["service", "instance"], registry=r)
+                                         ["service", "backend"], registry=r)
         self.saturated = Counter(PREFIX + "saturated_total", "Requests answered 503 because the primary "
                                  "had max_upstream in flight and its router-side queue was full",
                                  ["service"], registry=r)

@@ -12,6 +12,7 @@ the last good one of the old, so it is meaningful under load; it is observed onc
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from router.roles import LocalRoles, RoleStore
 
 log = structlog.get_logger(__name__)
 
+HISTORY = 20  # completed failovers kept for the status page's timeline
 # Passive failure kinds that fail a backend outright: it answered, but not as an engine does.
 FATAL_KINDS = frozenset({"garbage", "stall"})
 # Kinds that make it suspect and trigger a confirm probe.
@@ -60,6 +62,8 @@ class Promoter:
         self.confirm = confirm
         self.pending: dict[str, PendingFailover] = {}
         self.last_failover: dict[str, dict] = {}
+        # (service, record) of completed failovers, oldest first
+        self.history: collections.deque[tuple[str, dict]] = collections.deque(maxlen=HISTORY)
         self.tasks: set[asyncio.Task] = set()
         # called after every role change as (instance, old role, new role, reason); see Router.watch_roles
         self.role_listeners: list[Callable[[Instance, str, str, str], None]] = []
@@ -283,6 +287,7 @@ class Promoter:
             # this process's monotonic clock, for benchmarks that line failovers up with their faults
             "monotonic": {"last_ok": pending.last_ok, "detected": pending.detected,
                           "switched": pending.switched, "first_ok": now}}
+        self.history.append((inst.service, record))
         log.info("failover_complete", service=inst.service, **record)
 
     # -- planned operations -------------------------------------------------------------------

@@ -114,8 +114,10 @@ def test_ten_preemptions_under_online_traffic_lose_and_repeat_nothing(procs, tin
     assert all("first_result_ms" in e or e.get("evicted_first") for e in back), back
     # progress in `failover status` and on /metrics
     assert table.returncode == 0 and f"batch offline: done, {ITEMS + 2}/{ITEMS + 2} done (2 errors)" in table.stdout, table.stdout
-    assert f'failover_batch_done{{service="offline"}} {ITEMS + 2}.0' in metrics
-    assert 'failover_batch_preemptions{service="offline"} 10.0' in metrics
+    assert f'failover_supervisor_batch_requests_done{{service="offline"}} {ITEMS + 2}.0' in metrics
+    counted = [line for line in metrics.splitlines() if line.startswith("failover_supervisor_batch_preemptions_total")]
+    for reason in ("operator", "load"):  # the counter, by reason, as the events above (labels sorted)
+        assert f'failover_supervisor_batch_preemptions_total{{reason="{reason}",service="offline"}} 5.0' in counted, counted
 
 
 def http_text(url: str) -> str:

@@ -104,7 +104,7 @@ def test_serving_while_graphs_are_captured_loses_no_request(tiny_model, procs):
     log = proc.log_path.read_text()
     assert '"cuda_graphs_live"' in log
     status, body = get(port, "/metrics")
-    assert status == 200 and 'engine_cuda_graph_buckets{model="m"} 7.0' in body
+    assert status == 200 and 'failover_engine_cuda_graph_buckets{model_name="m"} 7.0' in body
     assert get(port, "/ready")[1]["cuda_graph_buckets"] == 7
 
 

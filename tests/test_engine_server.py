@@ -170,12 +170,12 @@ def test_client_disconnect_mid_stream_stops_generation(server):
     resp.close()
     conn.close()
     deadline = time.monotonic() + 10
-    while metric(server, "engine_requests_running") != 0 and time.monotonic() < deadline:
+    while metric(server, "failover_engine_num_requests_running") != 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert metric(server, "engine_requests_running") == 0
-    generated = metric(server, "engine_generation_tokens_total")
+    assert metric(server, "failover_engine_num_requests_running") == 0
+    generated = metric(server, "failover_engine_generation_tokens_total")
     time.sleep(0.3)
-    assert metric(server, "engine_generation_tokens_total") == generated  # nothing runs for it
+    assert metric(server, "failover_engine_generation_tokens_total") == generated  # nothing runs for it
     assert completion(server, prompt="hi", max_tokens=2)["usage"]["completion_tokens"] == 2
 
 
@@ -185,11 +185,11 @@ def test_probes_and_metrics(server):
     assert status == 200 and ready["ready"] is True and ready["weights_source"] == "disk"
     assert ready["max_model_len"] == MAX_LEN
     _, text = get(server, "/metrics")
-    for name in ("engine_requests_total", "engine_generation_tokens_total", "engine_time_to_first_token_seconds",
-                 "engine_inter_token_latency_seconds", "engine_requests_running", "engine_requests_waiting",
-                 "engine_kv_pool_bytes", "engine_kv_pool_blocks", "engine_kv_blocks_used", "engine_kv_blocks_free",
-                 "engine_preemptions_total"):
-        assert name in text
+    for name in ("requests_total", "generation_tokens_total", "time_to_first_token_seconds",
+                 "inter_token_latency_seconds", "num_requests_running", "num_requests_waiting",
+                 "kv_cache_usage_perc", "kv_cache_bytes", "kv_cache_blocks", "kv_cache_blocks_used",
+                 "num_preemptions_total"):
+        assert "\nfailover_engine_" + name in text
 
 
 def test_admin_kv_is_refused_when_no_token_is_configured(server):
@@ -234,14 +234,14 @@ def test_admin_kv_grows_and_shrinks_the_pool_and_the_metrics_show_it(tiny_model,
     try:
         small = resize(20 * block + 5)
         assert (small["kv_bytes"], small["kv_blocks_total"], small["kv_blocks_used"]) == (20 * block, 20, 0)
-        assert metric(server, "engine_kv_pool_bytes") == 20 * block
-        assert (metric(server, "engine_kv_pool_blocks"), metric(server, "engine_kv_blocks_free")) == (20, 20)
+        assert metric(server, "failover_engine_kv_cache_bytes") == 20 * block
+        assert (metric(server, "failover_engine_kv_cache_blocks"), metric(server, "failover_engine_kv_cache_usage_perc")) == (20, 0)
         assert get(server, "/ready")[1]["kv_blocks_total"] == 20
         assert completion(server, prompt="hi", max_tokens=4)["usage"]["completion_tokens"] == 4
         assert resize(1)["kv_blocks_total"] == MAX_LEN // 16  # never below one full context
         grown = resize(1 << 40)  # never past what --max-batch sequences can use
-        assert grown["kv_bytes"] == full and metric(server, "engine_kv_pool_bytes") == full
-        assert metric(server, "engine_kv_blocks_used") == 0
+        assert grown["kv_bytes"] == full and metric(server, "failover_engine_kv_cache_bytes") == full
+        assert metric(server, "failover_engine_kv_cache_blocks_used") == 0
     finally:
         resize(full)
 
@@ -259,7 +259,7 @@ def test_sigterm_drains_in_flight_then_exits(tiny_model, procs):
     t = threading.Thread(target=long_request)
     t.start()
     deadline = time.monotonic() + 10
-    while metric(port, "engine_requests_running") == 0 and time.monotonic() < deadline:
+    while metric(port, "failover_engine_num_requests_running") == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 5

@@ -9,7 +9,8 @@ def daemon_argv(config: Config) -> list[str]:
     """``failover daemon`` options for this node's model (run as ``python -m cache_daemon``)."""
     m = config.model
     return ["--model", m.path, "--run-dir", config.run_dir, "--tp", str(m.tp), "--device", m.device,
-            "--dtype", m.dtype, "--transform", m.transform, "--log-level", config.supervisor.log_level]
+            "--dtype", m.dtype, "--transform", m.transform, "--log-level", config.supervisor.log_level,
+            "--progress", "off"]  # the supervisor shows the load's progress (failover.node.load_watch)
 
 
 def engine_argv(config: Config, svc: ServiceConfig, port: int, kv_bytes: int) -> list[str]:

@@ -44,6 +44,7 @@ async def evict_engine(job: BatchJob, reason: str, t0: float, device: str) -> No
         if not job.ended:
             job.change(PREEMPTED, reason)
         job.preemptions += 1
+        job.preempted_for[reason] += 1
         job.last_preempt = {"reason": reason, "pid": None, "cut_off": cut, "no_process": True,
                             "trigger_to_memory_free_ms": round((time.monotonic() - t0) * 1e3, 1)}
         log.info("batch_preempted", service=job.name, **job.last_preempt)
@@ -58,6 +59,7 @@ async def evict_engine(job: BatchJob, reason: str, t0: float, device: str) -> No
     if not job.ended:
         job.change(PREEMPTED, reason)
     job.preemptions += 1
+    job.preempted_for[reason] += 1
     job.last_preempt = {
         "reason": reason, "pid": tree[0], "cut_off": cut, "killed": code == -9,
         "trigger_to_gone_ms": round((gone_at - t0) * 1e3, 1),

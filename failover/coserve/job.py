@@ -14,6 +14,7 @@ Every change goes through :meth:`BatchJob.change`, which asserts the table and l
 from __future__ import annotations
 
 import asyncio
+import collections
 from dataclasses import dataclass, field
 
 import structlog
@@ -53,6 +54,7 @@ class BatchJob:
     runner: BatchRunner | None = None
     why: str = ""
     preemptions: int = 0
+    preempted_for: collections.Counter = field(default_factory=collections.Counter)  # reason -> evictions
     resumes: int = 0
     last_preempt: dict = field(default_factory=dict)
     last_resume: dict = field(default_factory=dict)

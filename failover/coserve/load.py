@@ -4,7 +4,7 @@ job's policy every ``sample_interval``.
 Load of an online service = its requests waiting for a primary plus those in flight at the router
 (or, when more, the requests its engine says are waiting: vLLM's ``vllm:num_requests_waiting``), and
 its primary's windowed mean time-to-first-token, read from the engine's own /metrics page: ours
-(``engine_time_to_first_token_seconds``) or vLLM's (``vllm:time_to_first_token_seconds``).
+(``failover_engine_time_to_first_token_seconds``) or vLLM's (``vllm:time_to_first_token_seconds``).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class LoadSampler:
 
 
 # Per engine kind: its time-to-first-token histogram and its gauge of requests waiting.
-TTFT_METRICS = frozenset({"engine_time_to_first_token_seconds", "vllm:time_to_first_token_seconds"})
+TTFT_METRICS = frozenset({"failover_engine_time_to_first_token_seconds", "vllm:time_to_first_token_seconds"})
 WAITING_METRICS = frozenset({"vllm:num_requests_waiting"})
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from failover.coserve.coserver import Coserver
-from failover.coserve.job import PREEMPTED
+from failover.coserve.job import ALLOWED, PREEMPTED
+
+STATES = tuple(ALLOWED)
 
 
 def bar(coserver: Coserver) -> list[str]:
@@ -38,7 +40,9 @@ async def report(coserver: Coserver, progress, interval: float = 2.0) -> None:
 
 
 class BatchCollector:
-    """Batch progress on the router's /metrics (registered on its registry; read at scrape time)."""
+    """Batch progress on the router's /metrics (registered on its registry; read at scrape time).
+    Names: docs/metrics.md (the supervisor's prefix; counts of the output file are gauges, since a
+    restart reads them back from the file; evictions are a counter, by reason)."""
 
     def __init__(self, coserver: Coserver) -> None:
         self.coserver = coserver
@@ -47,15 +51,19 @@ class BatchCollector:
         return []
 
     def collect(self):
+        p, svc = "failover_supervisor_batch_", ["service"]
         fams = {
-            "done": GaugeMetricFamily("failover_batch_done", "Batch requests with a result (errors included)", labels=["service"]),
-            "total": GaugeMetricFamily("failover_batch_total", "Batch requests in the input", labels=["service"]),
-            "errors": GaugeMetricFamily("failover_batch_errors", "Batch error records (bad lines, 4xx)", labels=["service"]),
-            "tokens_per_s": GaugeMetricFamily("failover_batch_tokens_per_second", "Generated tokens per second since start", labels=["service"]),
-            "eta_s": GaugeMetricFamily("failover_batch_eta_seconds", "Estimated seconds to finish (-1: unknown)", labels=["service"]),
-            "preempted": GaugeMetricFamily("failover_batch_preempted", "1 while the batch engine is evicted", labels=["service"]),
-            "preemptions": GaugeMetricFamily("failover_batch_preemptions", "Evictions since start", labels=["service"]),
+            "done": GaugeMetricFamily(p + "requests_done", "Batch requests with a result (errors included)", labels=svc),
+            "total": GaugeMetricFamily(p + "requests", "Batch requests in the input", labels=svc),
+            "errors": GaugeMetricFamily(p + "request_errors", "Batch error records (bad lines, 4xx)", labels=svc),
+            "tokens_per_s": GaugeMetricFamily(p + "tokens_per_second", "Generated tokens per second since start", labels=svc),
+            "eta_s": GaugeMetricFamily(p + "eta_seconds", "Estimated seconds to finish (-1: unknown)", labels=svc),
+            "preempted": GaugeMetricFamily(p + "preempted", "1 while the batch engine is evicted", labels=svc),
         }
+        states = GaugeMetricFamily(p + "state", "1 for the batch job's state, 0 for the others",
+                                   labels=["service", "state"])
+        preemptions = CounterMetricFamily(p + "preemptions", "Evictions of the batch engine since start, by "
+                                          "reason (operator, load, memory)", labels=["service", "reason"])
         for name, job in self.coserver.jobs.items():
             p = job.progress()
             for key, fam in fams.items():
@@ -65,4 +73,8 @@ class BatchCollector:
                     value = p.get(key)
                     value = -1.0 if value is None else float(value)
                 fam.add_metric([name], value)
-        return list(fams.values())
+            for state in STATES:
+                states.add_metric([name, state], 1.0 if job.state == state else 0.0)
+            for reason in sorted({"operator", "load", "memory", *job.preempted_for}):
+                preemptions.add_metric([name, reason], float(job.preempted_for[reason]))
+        return [*fams.values(), states, preemptions]

@@ -29,6 +29,7 @@ from failover.config.schema import Config
 from failover.config.argv import daemon_argv
 from failover.procs.child import Child, ChildFailed
 from failover.procs.restart import Backoff
+from failover.node import load_watch
 
 log = structlog.get_logger(__name__)
 DAEMON_JITTER = 0.2  # daemons of many nodes that died together (shared storage) do not retry in step
@@ -76,9 +77,11 @@ class CacheDaemon:
         if self.child is None:
             self.ready_info = await self._wait_external(cfg.supervisor.daemon_ready_timeout)
         else:
-            self.ready_info = await processes.wait_ready_file(
-                cfg.daemon_ready_file, self.child, cfg.supervisor.daemon_ready_timeout,
-                progress=lambda s: self.progress(f"cache daemon loading {cfg.model.path} ({s:.0f} s)"))
+            async with load_watch.shown(cfg.daemon_socket, "cache daemon loading") as bar:
+                elapsed = lambda s: self.progress(f"cache daemon loading {cfg.model.path} ({s:.0f} s)")
+                self.ready_info = await processes.wait_ready_file(
+                    cfg.daemon_ready_file, self.child, cfg.supervisor.daemon_ready_timeout,
+                    progress=None if bar.mode == "bar" else elapsed)  # a bar says more, on its own line
         self._lost = frozenset()
         self.generation += 1
         self._ready.set()

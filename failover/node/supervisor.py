@@ -36,6 +36,7 @@ from failover.node.engine_kinds import kind_of, needs_cache
 from failover.node.engines import EngineStarter
 from failover.node.kv_pools import PoolSizer
 from failover.node import status_view
+from failover.node.metrics import SupervisorCollector
 from failover.node.run_dir import RunDir
 from failover.procs.slots import Slot
 from failover.procs import child as processes
@@ -89,6 +90,8 @@ class Supervisor:
         self.batch_bar = batch_bar  # a progress bar of the batch services (a terminal)
         if self.coserve.jobs:
             self.router.metrics.registry.register(BatchCollector(self.coserve))
+        self.router.metrics.registry.register(SupervisorCollector(self.daemon, self.zygote, self.slots, self.failed,
+                                                                  self.watchdogs, list(self.services)))
         self.stopping = False
         self.serving = False  # set once the first start() is through: from then on exits are healed
         self.started_at = time.monotonic()

@@ -68,6 +68,7 @@ class Slot:
     state: str = STOPPED
     child: Child | None = None
     launches: int = 0
+    backoffs: int = 0  # replacements that waited in BACKOFF first (failover_supervisor_restart_backoffs_total)
     launched_at: float | None = None  # monotonic, of the current process
     ready_at: float | None = None
     ready_info: dict = field(default_factory=dict)
@@ -92,6 +93,7 @@ class Slot:
         old = self.state
         assert new in ALLOWED[old], f"slot {self.name}: {old} -> {new} is not allowed"
         self.state = new
+        self.backoffs += new == BACKOFF
         log.info("slot_state", slot=self.name, service=self.service, old=old, new=new, reason=reason, **fields)
 
     def exit_means(self) -> str:
