@@ -143,6 +143,7 @@ class Soak:
                 # the router's own view of this failover (its monotonic clock is the machine's, as ours)
                 fault.detail["router"] = {k: last.get(k) for k in ("old", "new", "reason", "blackout_ms",
                                                                   "detect_ms", "switch_ms") if k in last}
+                fault.detail["router_monotonic"] = last["monotonic"]  # the PNG's detect/switch/first-ok marks
             if doc["supervisor"]["daemon"]["pid"] != self.daemon_pid:
                 await self.check_daemon(f"after {fault.kind} (t={fault.at - self.t0:.1f}s)", fault)
             return
@@ -279,8 +280,11 @@ async def drive(s: Soak, use_batch: bool) -> dict:
         await asyncio.gather(*clients)
     elapsed = time.monotonic() - s.t0
     if opts.png is not None:
-        hits = [f.at for f in s.faults if f.target == "primary"]
-        timeline_png.write(opts.png, load.outcomes + sdk.outcomes, hits, title="bench/chaos.py: faults of the primary")
+        primary = [f for f in s.faults if f.target == "primary"]
+        marks = [dict(f.detail.get("router_monotonic") or {},
+                      relaunched=None if f.recovered_s is None else f.at + f.recovered_s) for f in primary]
+        timeline_png.write(opts.png, load.outcomes + sdk.outcomes, [f.at for f in primary], marks,
+                           title="bench/chaos.py: faults of the primary (relaunched = the node whole again)")
     quiesce = await wait_quiet(s)
     await s.check_daemon("end of the run")
     metrics = await node.metrics(s.session)

@@ -141,7 +141,9 @@ async def fault_phase(model: Path, logs: Path, args: argparse.Namespace, sig: in
         t_start = time.monotonic()
         for i in range(rounds):
             while svc.routable() is None or launcher_pending(svc):
-                await asyncio.sleep(0.05)  # the replacement of the previous round is not ready yet
+                await asyncio.sleep(0.01)  # the replacement of the previous round is not ready yet
+            if records and "relaunched" not in records[-1]:
+                records[-1]["relaunched"] = time.monotonic()  # (to the 10 ms poll) for the PNG's mark
             await asyncio.sleep(args.settle)
             victim = svc.primary
             before = router.promoter.last_failover.get(SERVICE)
@@ -163,6 +165,8 @@ async def fault_phase(model: Path, logs: Path, args: argparse.Namespace, sig: in
                   f"kill->first good={rec['kill_to_first_ok_ms']:6.1f} ms  "
                   f"blackout={rec['blackout_ms']:6.1f} ms", flush=True)
         await asyncio.sleep(args.settle)
+        if records and "relaunched" not in records[-1] and svc.routable() is not None and not launcher_pending(svc):
+            records[-1]["relaunched"] = None  # ready some time in the settle: not marked rather than mis-marked
         stop.set()
         await asyncio.gather(runner, sampler)
         result = summary(load.outcomes, faults, time.monotonic() - t_start)

@@ -69,21 +69,27 @@ async def failover_rounds(sup, report: dict, *, faults: int, warmup: float, sett
     stop = asyncio.Event()
     runner = asyncio.create_task(load.run(concurrency, stop))
     await asyncio.sleep(warmup)  # a big model's first waves of 16 take seconds each
-    kills, routers = [], []
+    kills, routers, victims = [], [], []
     try:
         for i in range(faults):
             await _until(lambda: _whole(sup), 600, "whole node (ready primary and standby)")
             if i:
                 await asyncio.sleep(settle)
             before = sup.router.promoter.last_failover.get("chat")
+            victims.append(sup.router.services["chat"].routable().name)
             killed = await (first_kill(sup, report, load) if i == 0 else kill_primary(sup))
             kills.append(killed)
+            if i:  # the previous victim came back (the node was whole): its replacement's ready time
+                routers[-1]["relaunched"] = sup.slots[victims[-2]].ready_at
             await _until(lambda: sup.router.promoter.last_failover.get("chat") is not before, 60, "failover record")
             rec = sup.router.promoter.last_failover["chat"]
             routers.append(rec)
             print(f"  fault {i + 1:2d}: {rec['old']} -> {rec['new']} router's record: blackout={rec['blackout_ms']} ms "
                   f"detect={rec['detect_ms']} ms (the clients' figures follow the last fault)", flush=True)
         await asyncio.sleep(max(settle, 2.0))
+        if routers:
+            ready = sup.slots[victims[-1]].ready_at
+            routers[-1]["relaunched"] = ready if ready and ready > kills[-1] else None
     finally:
         stop.set()
         await runner
