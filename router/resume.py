@@ -45,6 +45,20 @@ class Seen:
         self.carried = self.finished = False
         self.migratable = True
 
+    def choice(self, index: Any, ids: list[int] | None, text: Any, finished: Any) -> None:
+        """Account one choice of the event: its ids, whether it carried text, its finish_reason."""
+        if index != 0:
+            self.migratable = False  # n > 1: resuming one choice would not resume the others
+        if ids:
+            self.ids.extend(ids)
+            self.carried = True
+        elif text:
+            if ids is None:
+                self.migratable = False  # this engine does not tell us the ids
+            self.carried = True
+        if finished:
+            self.finished = self.carried = True
+
 
 class Resume(Protocol):
     rewrites_first: bool
@@ -118,20 +132,10 @@ class BundledResume:
                 raise BackendFailed(instance, "garbage", "SSE chunk without choices")
             return seen
         for ch in ev.choices:
-            if ch.index != 0:
-                seen.migratable = False  # n > 1: resuming one choice would not resume the others
-            ids, text = ch.token_ids, ch.text
+            text = ch.text
             if text is None and isinstance(ch.delta, dict):
                 text = ch.delta.get("content")
-            if ids:
-                seen.ids.extend(ids)
-                seen.carried = True
-            elif text:
-                if ids is None:
-                    seen.migratable = False  # this engine does not tell us the ids
-                seen.carried = True
-            if ch.finish_reason:
-                seen.finished = seen.carried = True
+            seen.choice(ch.index, ch.token_ids, text, ch.finish_reason)
         return seen
 
     def head(self, data: bytes) -> tuple[Any, Any]:
@@ -167,21 +171,10 @@ def inspect_dict(obj: dict, instance: str) -> Seen:
     for ch in choices:
         if not isinstance(ch, dict):
             raise BackendFailed(instance, "garbage", "SSE choice is not an object")
-        if ch.get("index", 0) != 0:
-            seen.migratable = False
-        ids = ch.get("token_ids")
         text = ch.get("text")
         if text is None and isinstance(ch.get("delta"), dict):
             text = ch["delta"].get("content")
-        if ids:
-            seen.ids.extend(ids)
-            seen.carried = True
-        elif text:
-            if ids is None:
-                seen.migratable = False
-            seen.carried = True
-        if ch.get("finish_reason"):
-            seen.finished = seen.carried = True
+        seen.choice(ch.get("index", 0), ch.get("token_ids"), text, ch.get("finish_reason"))
     return seen
 
 

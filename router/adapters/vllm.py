@@ -167,23 +167,12 @@ class VllmStream:
         for ch in choices:
             if not isinstance(ch, dict):
                 raise BackendFailed(instance, "garbage", "SSE choice is not an object")
-            if ch.get("index", 0) != 0:
-                seen.migratable = False
-            ids, text = ch.get("token_ids"), ch.get("text")
-            delta = ch.get("delta")
+            text, delta = ch.get("text"), ch.get("delta")
             if isinstance(delta, dict):
                 text = delta.get("content")
                 if any(k not in ("role", "content") for k in delta):
                     seen.migratable = False  # reasoning or tool-call deltas: not rebuilt from completions
-            if ids:
-                seen.ids.extend(ids)
-                seen.carried = True
-            elif text:
-                if ids is None:
-                    seen.migratable = False
-                seen.carried = True
-            if ch.get("finish_reason"):
-                seen.finished = seen.carried = True
+            seen.choice(ch.get("index", 0), ch.get("token_ids"), text, ch.get("finish_reason"))
         return seen
 
     def head(self, data: bytes, instance: str = "-") -> tuple[Any, Any]:
