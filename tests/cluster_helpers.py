@@ -11,14 +11,13 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from conftest import Procs
 from etcd_helpers import EtcdCluster, Front
 from failover_common.ports import free_port
-from supervisor_helpers import _table, _toml_value, http, wait_until
+from supervisor_helpers import Workers, _table, _toml_value, http, wait_until
 
 KEY = "/failover/test/primary/chat"
 
@@ -198,39 +197,32 @@ class PeerRouter:
 PROMPTS = ["one two three four", "The primary engine fails", "def main():", "Failover in well under"]
 
 
-class Streams(threading.Thread):
+class Streams(Workers):
     """``workers`` threads streaming completions through ``url`` with the openai SDK; each stream's
     text is checked against the undisturbed greedy run (``expected``) and its arrival times kept."""
 
+    join_timeout = 90.0
+
     def __init__(self, url: str, expected: dict[str, str], *, workers: int = 3, max_tokens: int = 24,
                  max_retries: int = 0) -> None:
-        super().__init__(daemon=True)
+        super().__init__(workers)
         # 0: every error counts. The SDK's default (2) re-sends a request that got no response
         # (never a stream already under way): what an application using the SDK as shipped sees.
         self.max_retries = max_retries
-        self.url, self.expected, self.workers, self.max_tokens = url, expected, workers, max_tokens
+        self.url, self.expected, self.max_tokens = url, expected, max_tokens
         self.ok = 0
         self.failures: list[str] = []
         self.mismatches: list[str] = []
         self.arrivals: list[float] = []  # monotonic time of every chunk, all streams
         self.gaps: list[tuple[float, float]] = []  # (start, length) of each gap inside a stream
         self.failed_at: list[tuple[float, float, int]] = []  # (start, failure, chunks received)
-        self._halt = threading.Event()
-        self._lock = threading.Lock()
-
-    def run(self) -> None:
-        threads = [threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(self.workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
 
     def _worker(self, i: int) -> None:
         from openai import OpenAI
 
         client = OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=self.max_retries, timeout=60)
         n = 0
-        while not self._halt.is_set():
+        while not self._stop_event.is_set():
             prompt = PROMPTS[(i + n) % len(PROMPTS)]
             n += 1
             text, times, t0 = "", [], time.monotonic()
@@ -251,10 +243,6 @@ class Streams(threading.Thread):
                 self.gaps += [(a, b - a) for a, b in zip(times, times[1:])]
                 if text != self.expected[prompt]:
                     self.mismatches.append(f"{prompt!r}: {text!r} != {self.expected[prompt]!r}")
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(90)
 
     def longest_gap_after(self, t: float, within: float = 30.0) -> float:
         """Longest silence inside any stream that spans ``t`` or starts within ``within`` s after it."""

@@ -245,14 +245,15 @@ class Node:
         assert not self.run_dir.exists(), f"run dir left behind: {sorted(os.listdir(self.run_dir))}"
 
 
-class Load(threading.Thread):
-    """Sends completions in ``workers`` threads until stopped; counts what succeeded and what failed."""
+class Workers(threading.Thread):
+    """``workers`` threads each running ``_worker(i)`` until :meth:`stop`; a subclass keeps its
+    results under ``_lock`` and loops while ``_stop_event`` is unset."""
 
-    def __init__(self, url: str, workers: int = 3, max_tokens: int = 8) -> None:
+    join_timeout = 60.0
+
+    def __init__(self, workers: int) -> None:
         super().__init__(daemon=True)
-        self.url, self.workers, self.max_tokens = url, workers, max_tokens
-        self.ok = 0
-        self.failures: list[str] = []
+        self.workers = workers
         self._stop_event = threading.Event()
         self._lock = threading.Lock()
 
@@ -262,6 +263,23 @@ class Load(threading.Thread):
             t.start()
         for t in threads:
             t.join()
+
+    def _worker(self, i: int) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(self.join_timeout)
+
+
+class Load(Workers):
+    """Sends completions in ``workers`` threads until stopped; counts what succeeded and what failed."""
+
+    def __init__(self, url: str, workers: int = 3, max_tokens: int = 8) -> None:
+        super().__init__(workers)
+        self.url, self.max_tokens = url, max_tokens
+        self.ok = 0
+        self.failures: list[str] = []
 
     def _worker(self, i: int) -> None:
         n = 0
@@ -283,7 +301,3 @@ class Load(threading.Thread):
     def total(self) -> int:
         with self._lock:
             return self.ok + len(self.failures)
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join(60)
