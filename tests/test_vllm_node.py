@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from pathlib import Path
 
 import openai
 import pytest
 
 from failover.procs.tree import group_members, mapped_shm
-from supervisor_helpers import Node, wait_until
+from supervisor_helpers import Node, Workers, wait_until
 from vllm_helpers import READY_TIMEOUT, VLLM_FLAGS, needs_vllm, vllm_checkpoint
 
 pytestmark = [needs_vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -26,23 +25,16 @@ PROMPTS = [f"story {i}: once upon a time" for i in range(6)]
 MAX_TOKENS = 32
 
 
-class StreamLoad(threading.Thread):
+class StreamLoad(Workers):
     """openai-SDK streams (greedy) in ``workers`` threads until stopped; each checked against ``want``."""
 
+    join_timeout = 120.0
+
     def __init__(self, url: str, want: dict[str, str], workers: int = 2) -> None:
-        super().__init__(daemon=True)
-        self.url, self.want, self.workers = url, want, workers  # 2 cores: vLLM itself needs one
+        super().__init__(workers)  # 2 cores: vLLM itself needs one
+        self.url, self.want = url, want
         self.ok, self.failures, self.mismatches = 0, [], []
         self.midstream = 0  # streams that have text but are not finished yet
-        self._stop_event = threading.Event()
-        self._lock = threading.Lock()
-
-    def run(self) -> None:
-        threads = [threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(self.workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
 
     def _worker(self, i: int) -> None:
         c = openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0, timeout=120)
@@ -77,9 +69,6 @@ class StreamLoad(threading.Thread):
         with self._lock:
             return self.ok + len(self.failures)
 
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join(120)
 
     def check(self) -> None:
         assert self.failures == [], self.failures[:5]
@@ -140,7 +129,10 @@ def test_vllm_primary_and_standby_fail_over_migrate_switch_and_leave_nothing(vll
     load.check()
     gone = [line for line in node.log().splitlines() if "process_tree_gone" in line]
     print("\n".join(gone))
-    assert gone and '"members_killed": 0' not in gone[0], gone  # the orphans were ours to kill
+    # the tree's end was seen and logged; its engine core and workers die either by the plugin's
+    # parent-death SIGKILL or by ours, whichever comes first (a race: members_killed may be 0);
+    # that none is left is checked above, and TreeChild's own kill of survivors in test_process_tree
+    assert gone, "no process_tree_gone logged for the killed primary"
     # (the relaunch is not waited for under load: on 2 shared cores it would only take longer)
     back = wait_until(lambda: (p := node.serving_pair()) and p[1]["name"] == primary["name"]
                       and p[1]["pid"] != primary["pid"] and p, READY_TIMEOUT, "the relaunched vLLM standby")
