@@ -1,6 +1,6 @@
 """Backends: one engine instance, and the service (one primary, its standbys, its wait queue).
 
-Ownership: an Instance owns its aiohttp ClientSession (its connection pool) and knows the
+Ownership: an Instance owns its upstream pool (router/upstream.py) and knows the
 attempts in flight to it. Fencing aborts them: each attempt runs under an ``asyncio.timeout`` guard,
 and firing it raises TimeoutError inside exactly that request, even one blocked on a hung engine
 (closing the pool alone does not wake a reader whose peer went silent).
@@ -12,10 +12,9 @@ import asyncio
 import collections
 import time
 
-import aiohttp
-
 from router import states
 from router.errors import NoPrimary, Saturated
+from router.upstream import Pool
 
 
 class Attempt:
@@ -148,16 +147,13 @@ class Instance:
         self.idle.set()
         self.gate = Gate(max_upstream, upstream_queue_size)
         self.slow_kept = False  # failing slow with no standby to take over: kept serving (logged once)
-        self._session: aiohttp.ClientSession | None = None
+        self._session: Pool | None = None
 
-    def session(self, connect_timeout: float) -> aiohttp.ClientSession:
-        """The pool for this instance (created on first use, inside the event loop); the gate keeps
-        its connections at ``gate.limit``, the connector's limit is only a second fence."""
+    def session(self, connect_timeout: float) -> Pool:
+        """The pool for this instance (created on first use); the gate keeps its connections at
+        ``gate.limit``, the pool's limit is only a second fence."""
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self.gate.limit, enable_cleanup_closed=False)
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout,
-                                                  auto_decompress=False)
+            self._session = Pool(self.url, self.gate.limit, connect_timeout)
         return self._session
 
     async def close_session(self) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import aiohttp
 import msgspec
 import structlog
 from aiohttp import web
@@ -25,6 +24,7 @@ from router.errors import BackendFailed, BodyRejected, NoPrimary, Saturated
 from router.metrics import Metrics
 from router.promotion import Promoter
 from router.stream import MIGRATABLE_PATHS, ClientGone, StreamRelay
+from router.upstream import ConnectError, ConnectTimeout, ProtocolError, Response
 
 log = structlog.get_logger(__name__)
 
@@ -32,7 +32,7 @@ _decode = msgspec.json.Decoder().decode
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                         "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
-                        "accept-encoding"})
+                        "accept-encoding", "expect"})
 # The body is forwarded decoded (router/body.py), so its coding must not be claimed upstream.
 REQUEST_DROP = HOP_BY_HOP | {"content-encoding"}
 RESPONSE_DROP = HOP_BY_HOP | {"server", "date", "content-encoding"}
@@ -171,14 +171,13 @@ class Proxy:
                 self.metrics.retries.labels(service.name).inc()
 
     async def _attempt(self, request: web.Request, target: str, service: Service, inst: Instance,
-                       body: bytes | bytearray, headers: CIMultiDict, relay: StreamRelay | None,
+                       body: bytes | bytearray, headers: str, relay: StreamRelay | None,
                        t0: float, recovery: Recovery) -> web.StreamResponse:
         session = inst.session(self.config.connect_timeout)
         attempt = Attempt()  # Instance.abort_inflight fires its guard when inst is fenced
         inst.attempts.add(attempt)
         try:
-            async with attempt.guard, session.request(request.method, inst.url + target,
-                                              data=body or None, headers=headers) as up:
+            async with attempt.guard, session.request(request.method, target, headers, body) as up:
                 if up.status in RETRY_STATUS:
                     raise BackendFailed(inst.name, "unavailable", f"answered {up.status}")
                 if relay is not None and up.status == 200 and up.content_type == "text/event-stream":
@@ -199,13 +198,13 @@ class Proxy:
                 raise BackendFailed(inst.name, "fenced", "aborted: the instance was fenced") from exc
             # A connect that times out met a full listen backlog (or a slow network): saturated,
             # not dead; a dead engine refuses (ClientConnectorError below) or resets.
-            kind = "slow" if isinstance(exc, aiohttp.ConnectionTimeoutError) else "reset"
+            kind = "slow" if isinstance(exc, ConnectTimeout) else "reset"
             raise BackendFailed(inst.name, kind, f"timeout: {exc!r}") from exc
-        except aiohttp.ClientConnectorError as exc:
+        except ConnectError as exc:
             raise BackendFailed(inst.name, "connect", str(exc)) from exc
-        except aiohttp.ClientResponseError as exc:  # not HTTP: bad status line, bad headers
-            raise BackendFailed(inst.name, "garbage", f"{type(exc).__name__}: {exc.message}") from exc
-        except (aiohttp.ClientError, OSError) as exc:
+        except ProtocolError as exc:  # not HTTP: bad status line, bad headers
+            raise BackendFailed(inst.name, "garbage", f"{type(exc).__name__}: {exc}") from exc
+        except OSError as exc:
             raise BackendFailed(inst.name, "reset", f"{type(exc).__name__}: {exc}") from exc
         except RuntimeError as exc:  # "Session is closed": fenced while we were about to send
             if not inst.fenced:
@@ -215,12 +214,12 @@ class Proxy:
             inst.attempts.discard(attempt)
         if up.status < 400:
             self.promoter.note_ok(inst)
-        out = CIMultiDict((k, v) for k, v in up.headers.items() if k.lower() not in RESPONSE_DROP)
+        out = CIMultiDict((k, v) for k, v in up.headers if k.lower() not in RESPONSE_DROP)
         out["X-Failover-Instance"] = inst.name
         self._count(service, up.status, time.monotonic(), t0)
         return web.Response(status=up.status, body=data, headers=out)
 
-    async def _relay(self, service: Service, inst: Instance, up: aiohttp.ClientResponse,
+    async def _relay(self, service: Service, inst: Instance, up: Response,
                      relay: StreamRelay, attempt: Attempt, t0: float, recovery: Recovery) -> web.StreamResponse:
         def first_ok() -> None:  # once per attempt: the failover's record and its settlement
             recovery.end()
@@ -290,9 +289,9 @@ def _parse(body: bytes | bytearray) -> dict | None:
     return obj if isinstance(obj, dict) else None
 
 
-async def _drain(up: aiohttp.ClientResponse) -> None:
-    """Read the stream's end (its last chunk follows [DONE]) so that aiohttp returns the connection
-    to the instance's pool: released before its payload ended, it is closed, and the next request
+async def _drain(up: Response) -> None:
+    """Read the stream's end (its last chunk follows [DONE]) so that the connection goes back to
+    the instance's pool: released before its payload ended, it is closed, and the next request
     pays a connect on both sides. The client already has its whole answer; nothing is waited long."""
     if up.content.at_eof():
         return
@@ -300,7 +299,7 @@ async def _drain(up: aiohttp.ClientResponse) -> None:
         async with asyncio.timeout(DRAIN_TIMEOUT):
             while await up.content.readany():
                 pass
-    except (TimeoutError, aiohttp.ClientError, OSError):
+    except (TimeoutError, ProtocolError, OSError):
         pass  # the connection is closed instead of pooled: nothing lost
 
 
@@ -311,7 +310,9 @@ def _is_json_object(data: bytes) -> bool:
         return False
 
 
-def _forward_headers(headers) -> CIMultiDict:
-    out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in REQUEST_DROP)
-    out["Accept-Encoding"] = "identity"  # we parse streams; the client link may compress later
-    return out
+def _forward_headers(headers) -> str:
+    """The client's end-to-end headers as request header lines for router/upstream.py (each
+    ending in CRLF; values as aiohttp's parser accepted them, so with no CR or LF in them)."""
+    lines = [f"{k}: {v}\r\n" for k, v in headers.items() if k.lower() not in REQUEST_DROP]
+    lines.append("Accept-Encoding: identity\r\n")  # we parse streams; the client link may compress later
+    return "".join(lines)

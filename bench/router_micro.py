@@ -1,0 +1,170 @@
+"""The router's own cost per request, without torch: a stub engine, the router in front of it.
+
+    python3 bench/router_micro.py [-n 2000] [--loop uvloop] [--events 16]
+
+A stub upstream (an aiohttp app in its own process: ``/ready``, ``/v1/models``, ``/v1/completions``
+whole or streamed with token ids, answered at once) stands in for the engine, so what differs between
+"direct" and "through the router" is the router alone. Sequential requests, direct and proxied
+interleaved, from one aiohttp client in this process (the same client both ways): the added latency
+p50/p99 per kind, as bench/vs_haproxy.py measures it, and the router process's CPU per request
+(/proc). Quick enough (seconds) to measure each change; bench/vs_haproxy.py is the real figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engines import free_port  # noqa: E402
+from loadgen import percentile  # noqa: E402
+from vs_haproxy import cpu_s  # noqa: E402
+
+
+def stub_app(events: int):
+    from aiohttp import web
+
+    async def ready(_):
+        return web.json_response({"ready": True})
+
+    async def models(_):
+        return web.json_response({"object": "list", "data": [{"id": "stub", "object": "model"}]})
+
+    async def completions(request):
+        body = await request.json()
+        n = min(int(body.get("max_tokens", 1)), events)
+        if not body.get("stream"):
+            return web.json_response({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "stub",
+                                      "choices": [{"index": 0, "text": "x" * n, "token_ids": list(range(n)),
+                                                   "finish_reason": "length"}]})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(n):
+            ev = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "stub",
+                  "choices": [{"index": 0, "text": "x", "token_ids": [i],
+                               "finish_reason": "length" if i == n - 1 else None}]}
+            await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.add_routes([web.get("/ready", ready), web.get("/v1/models", models),
+                    web.post("/v1/completions", completions)])
+    return app
+
+
+async def router_child(port: int, upstream: str, loop: str) -> None:
+    from router.app import Router
+    from router.config import RouterConfig
+
+    router = Router(RouterConfig(port=port))
+    router.add_instance("default", "stub", upstream, "primary")
+    await router.start()
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    print("ready", flush=True)
+    await stop.wait()
+    await router.stop()
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True)
+    if p.stdout.readline().strip() != "ready":
+        raise RuntimeError(f"child {args} did not start")
+    return p
+
+
+async def measure(direct: str, proxied: str, n: int, router_pid: int, events: int) -> dict:
+    kinds = {"completion": ("POST", "/v1/completions", {"model": "stub", "prompt": "Hi", "max_tokens": 1}),
+             "stream": ("POST", "/v1/completions", {"model": "stub", "prompt": "Hi", "max_tokens": events,
+                                                    "stream": True}),
+             "models": ("GET", "/v1/models", None)}
+    out = {}
+    async with aiohttp.ClientSession() as s:
+        for kind, (method, path, body) in kinds.items():
+            lat: dict[str, list[float]] = {"direct": [], "proxied": []}
+            for i in range(20):  # warm both connections
+                async with s.request(method, (direct, proxied)[i % 2] + path, json=body) as r:
+                    await r.read()
+            cpu = 0.0
+            for i in range(2 * n):
+                key, base = ("direct", direct) if i % 2 == 0 else ("proxied", proxied)
+                c0 = cpu_s(router_pid) if key == "proxied" else 0.0
+                t = time.perf_counter()
+                async with s.request(method, base + path, json=body) as r:
+                    await r.read()
+                lat[key].append(time.perf_counter() - t)
+                if key == "proxied":
+                    cpu += cpu_s(router_pid) - c0
+            d50, p50 = percentile(lat["direct"], 50), percentile(lat["proxied"], 50)
+            d99, p99 = percentile(lat["direct"], 99), percentile(lat["proxied"], 99)
+            out[kind] = {"direct_p50_ms": round(d50 * 1e3, 3), "added_p50_ms": round((p50 - d50) * 1e3, 3),
+                         "added_p99_ms": round((p99 - d99) * 1e3, 3),
+                         "router_cpu_ms_per_req": round(cpu * 1e3 / n, 3)}
+    return out
+
+
+async def main_async(args) -> int:
+    up_port, r_port = free_port(), free_port()
+    up = spawn("--child", "stub", "--port", str(up_port), "--events", str(args.events))
+    upstream = f"http://127.0.0.1:{up_port}"
+    router = spawn("--child", "router", "--port", str(r_port), "--upstream", upstream, "--loop", args.loop)
+    try:
+        proxied = f"http://127.0.0.1:{r_port}"
+        async with aiohttp.ClientSession() as s:
+            for _ in range(100):  # the router's first probe
+                async with s.get(proxied + "/ready") as r:
+                    if r.status == 200:
+                        break
+                await asyncio.sleep(0.05)
+        res = await measure(upstream, proxied, args.n, router.pid, args.events)
+        print(f"# router_micro n={args.n} loop={args.loop} events={args.events} load average {os.getloadavg()[0]:.2f}")
+        for kind, r in res.items():
+            print(f"{kind:<12}", json.dumps(r))
+    finally:
+        for p in (router, up):
+            p.send_signal(signal.SIGTERM)
+            p.wait(10)
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("-n", type=int, default=2000, help="requests per kind, each way")
+    p.add_argument("--events", type=int, default=16, help="SSE events per streamed answer")
+    p.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"))
+    p.add_argument("--child", choices=("stub", "router"), help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--upstream", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    from router import evloop
+    if args.child == "stub":
+        from aiohttp import web
+        from failover_common.proc import die_with_parent
+        die_with_parent(signal.SIGTERM)
+        web.run_app(stub_app(args.events), host="127.0.0.1", port=args.port, print=lambda *_: print("ready", flush=True),
+                    access_log=None)
+        return 0
+    if args.child == "router":
+        from failover_common.logs import configure_logging
+        from failover_common.proc import die_with_parent
+        die_with_parent(signal.SIGTERM)
+        configure_logging("warning", process="router-micro")
+        return evloop.run(router_child(args.port, args.upstream, args.loop), args.loop) or 0
+    return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
