@@ -79,9 +79,15 @@ async def router_child(port: int, upstream: str, loop: str) -> None:
     await router.stop()
 
 
-def spawn(*args: str) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True)
-    if p.stdout.readline().strip() != "ready":
+def spawn(*args: str, profile: Path | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, __file__, *args]
+    if profile is not None:  # py-spy's raw stacks of the router (pip install py-spy)
+        cmd = [str(Path(sys.executable).parent / "py-spy"), "record", "-f", "raw", "-r", "500", "-o", str(profile),
+               "--", *cmd]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    while (line := p.stdout.readline()) and line.strip() != "ready":
+        pass
+    if not line:
         raise RuntimeError(f"child {args} did not start")
     return p
 
@@ -116,11 +122,30 @@ async def measure(direct: str, proxied: str, n: int, router_pid: int, events: in
     return out
 
 
+async def with_haproxy(upstream: str, up_port: int, args) -> dict:
+    """The same measure through HAProxy (from the distribution) in front of the same stub."""
+    import tempfile
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="router-micro-") as tmp:
+        cfg = Path(tmp) / "haproxy.cfg"
+        cfg.write_text("global\n    maxconn 2000\ndefaults\n    mode http\n    timeout connect 1s\n"
+                       "    timeout client 120s\n    timeout server 120s\n"
+                       f"listen llm\n    bind 127.0.0.1:{port}\n    server s 127.0.0.1:{up_port}\n")
+        hap = subprocess.Popen(["haproxy", "-f", str(cfg), "-db"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            await asyncio.sleep(0.5)
+            return await measure(upstream, f"http://127.0.0.1:{port}", args.n, hap.pid, args.events)
+        finally:
+            hap.terminate()
+            hap.wait(10)
+
+
 async def main_async(args) -> int:
     up_port, r_port = free_port(), free_port()
     up = spawn("--child", "stub", "--port", str(up_port), "--events", str(args.events))
     upstream = f"http://127.0.0.1:{up_port}"
-    router = spawn("--child", "router", "--port", str(r_port), "--upstream", upstream, "--loop", args.loop)
+    router = spawn("--child", "router", "--port", str(r_port), "--upstream", upstream, "--loop", args.loop,
+                   profile=args.profile)
     try:
         proxied = f"http://127.0.0.1:{r_port}"
         async with aiohttp.ClientSession() as s:
@@ -129,14 +154,21 @@ async def main_async(args) -> int:
                     if r.status == 200:
                         break
                 await asyncio.sleep(0.05)
-        res = await measure(upstream, proxied, args.n, router.pid, args.events)
+        pid = router.pid if args.profile is None else int(subprocess.check_output(["pgrep", "-P", str(router.pid)]))
+        res = {"router": await measure(upstream, proxied, args.n, pid, args.events)}
+        if args.haproxy:
+            res["haproxy"] = await with_haproxy(upstream, up_port, args)
         print(f"# router_micro n={args.n} loop={args.loop} events={args.events} load average {os.getloadavg()[0]:.2f}")
-        for kind, r in res.items():
-            print(f"{kind:<12}", json.dumps(r))
+        for who, kinds in res.items():
+            for kind, r in kinds.items():
+                print(f"{who:<8} {kind:<12}", json.dumps(r))
     finally:
+        if args.profile is not None:  # the router itself: py-spy writes its file when it exits
+            os.kill(int(subprocess.check_output(["pgrep", "-P", str(router.pid)])), signal.SIGTERM)
         for p in (router, up):
-            p.send_signal(signal.SIGTERM)
-            p.wait(10)
+            if args.profile is None or p is up:
+                p.send_signal(signal.SIGTERM)
+            p.wait(30)
     return 0
 
 
@@ -145,6 +177,8 @@ def main() -> int:
     p.add_argument("-n", type=int, default=2000, help="requests per kind, each way")
     p.add_argument("--events", type=int, default=16, help="SSE events per streamed answer")
     p.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"))
+    p.add_argument("--haproxy", action="store_true", help="also through HAProxy, in front of the same stub")
+    p.add_argument("--profile", type=Path, help="py-spy the router; raw stacks into this file")
     p.add_argument("--child", choices=("stub", "router"), help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--upstream", help=argparse.SUPPRESS)

@@ -27,6 +27,7 @@ from router.admin import AdminAPI, read_token
 from router.backend import Instance, Service
 from router.config import RouterConfig
 from router.errors import AdminError
+from router.front import FrontSite
 from router.health import HealthMonitor
 from router.launcher import Launcher, NullLauncher
 from router.looplag import LoopLag
@@ -267,7 +268,8 @@ class Router:
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False,
                                      shutdown_timeout=self.config.shutdown_timeout)
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        # Plain proxied requests on router/front.py's lean listener, all else on aiohttp's.
+        self._site = FrontSite(self._runner, self.config, self.proxy)
         await self._site.start()
         self.port = self._runner.addresses[0][1]
         self.lag.start()  # before the first probe: a probe's verdict needs the loop's lag

@@ -75,7 +75,7 @@ class Proxy:
         target = str(URL.build(path=path, query=request.rel_url.query))
         try:
             async with read_body(request, self.config, self.bodies) as body:
-                return await self._handle(request, target, body, t0)
+                return await self.serve(request, target, body, t0)
         except BodyRejected as exc:
             log.info("body_rejected", status=exc.status, path=path, why=str(exc))
             resp = self._error(None, exc.status, str(exc), exc.type)
@@ -90,8 +90,10 @@ class Proxy:
                 request.protocol.force_close()
             return resp
 
-    async def _handle(self, request: web.Request, target: str, body: bytes | bytearray,
-                      t0: float) -> web.StreamResponse:
+    async def serve(self, request: web.Request, target: str, body: bytes | bytearray,
+                    t0: float) -> web.StreamResponse:
+        """One request whose path is allowed and whose body is read (aiohttp's ``handle`` above,
+        or router/front.py's listener for a plain request)."""
         payload = _parse(body)
         service = self.pick(payload.get("model") if payload else None)
         if service is None:

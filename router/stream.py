@@ -81,11 +81,14 @@ class StreamRelay:
 
     async def _start(self, instance: str) -> None:
         """Send the client our 200 and SSE headers: only once a valid first event is in hand."""
-        resp = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Failover-Instance": instance})
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Failover-Instance": instance}
+        opener = getattr(self.request, "open_stream", None)  # router/front.py's lean listener
         try:
-            await resp.prepare(self.request)
+            if opener is not None:
+                resp = opener(headers)
+            else:
+                resp = web.StreamResponse(status=200, headers=headers)
+                await resp.prepare(self.request)
         except ConnectionError as exc:
             raise ClientGone() from exc
         self.response = resp

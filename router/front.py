@@ -1,0 +1,353 @@
+"""The router's listener: a lean HTTP/1.1 front for plain proxied requests, aiohttp for the rest.
+
+Issue 20: aiohttp's server cost the router about 0.15 ms of CPU per request here (its protocol,
+request and payload objects, routing, response preparation), half the latency it added. Each
+connection starts on ``Front``, which takes a request itself only when it is plain:
+
+- HTTP/1.1, GET or POST, the raw target exactly one of ``forward_paths`` (no query, no escapes);
+- headers that httptools' parser (llhttp) accepts, at most one Content-Length, none of
+  Transfer-Encoding, Content-Encoding, Expect, Upgrade;
+- a body of at most ``FAST_BODY`` bytes that fits in the router's body budget, all of it arriving
+  within ``BODY_WAIT`` of the headers.
+
+Such a request goes to ``Proxy.serve`` (the same path as aiohttp's handler, after its body is
+read) with the body counted in the same ``BodyBudget``. Anything else, at a request boundary,
+hands the connection (with every byte received and not yet served) to aiohttp's own protocol for
+the rest of its life: the admin API, the status page, odd paths (404), chunked or gzip bodies,
+slow senders (408), huge bodies (413/503) all get exactly aiohttp's handling, as before.
+
+As aiohttp's handler_cancellation: a client that disconnects cancels its request's task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from email.utils import formatdate
+
+import httptools
+import structlog
+from aiohttp import web
+from multidict import CIMultiDict
+
+log = structlog.get_logger(__name__)
+
+FAST_BODY = 256 * 1024  # larger bodies go to aiohttp's path
+BODY_WAIT = 0.25  # a body not all here this long after its headers: aiohttp's path (its 408 timer)
+MAX_HEAD = 16 * 1024  # no end of headers within this: aiohttp's path (its 431/400)
+KEEPALIVE = 75.0  # an idle connection is closed after this (aiohttp's default)
+_REFUSED = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
+_date = ["", 0]
+
+
+def _http_date() -> str:
+    now = int(time.time())
+    if _date[1] != now:
+        _date[0], _date[1] = formatdate(now, usegmt=True), now
+    return _date[0]
+
+
+class Handover(Exception):
+    """This request is not a plain one: aiohttp takes the connection."""
+
+
+class _Head:
+    """httptools callbacks for one request head."""
+
+    __slots__ = ("url", "headers", "length", "done")
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.length: int | None = None
+        self.done = False
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        lname = name.lower()
+        if lname in _REFUSED:
+            raise Handover()
+        if lname == b"content-length":
+            if self.length is not None or not value.isdigit():
+                raise Handover()
+            self.length = int(value)
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.done = True
+
+
+class FastRequest:
+    """What the proxy reads of a request (as aiohttp's web.Request offers it)."""
+
+    __slots__ = ("method", "path", "headers", "conn")
+
+    def __init__(self, method: str, path: str, headers: CIMultiDict, conn: "Front") -> None:
+        self.method, self.path, self.headers, self.conn = method, path, headers, conn
+
+    @property
+    def raw_path(self) -> str:
+        return self.path
+
+    def open_stream(self, headers: dict) -> "FastStream":
+        """Start a chunked 200 (router/stream.py's SSE answer)."""
+        return FastStream(self.conn, headers)
+
+
+class FastStream:
+    """A chunked response on a Front connection: ``write``/``write_eof`` as web.StreamResponse's."""
+
+    __slots__ = ("conn", "eof")
+
+    def __init__(self, conn: "Front", headers: dict) -> None:
+        self.conn, self.eof = conn, False
+        lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        close = "" if conn.keep_alive else "Connection: close\r\n"
+        conn.send(f"HTTP/1.1 200 OK\r\n{lines}Date: {_http_date()}\r\nTransfer-Encoding: chunked\r\n"
+                  f"{close}\r\n".encode("latin-1"))
+        conn.started = True
+
+    async def write(self, data: bytes) -> None:
+        if data:
+            self.conn.send(b"%x\r\n%b\r\n" % (len(data), data))
+            await self.conn.drain()
+
+    async def write_eof(self) -> None:
+        if not self.eof:
+            self.eof = True
+            self.conn.send(b"0\r\n\r\n")
+            await self.conn.drain()
+
+
+class Front(asyncio.Protocol):
+    """One client connection, until (if ever) it is handed to aiohttp."""
+
+    def __init__(self, site: "FrontSite") -> None:
+        self.site = site
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.task: asyncio.Task | None = None  # the request being served
+        self.keep_alive = True
+        self.closed = False
+        self.handed = False
+        self.started = False  # the current request's response has begun
+        self._paused_writing = False
+        self._drain: asyncio.Future | None = None
+        self._timer: asyncio.TimerHandle | None = None  # body wait or keep-alive
+
+    # -- asyncio.Protocol -------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.site.conns.add(self)
+        self._idle()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if self.task is None:
+            self._next()
+        elif len(self.buf) > MAX_HEAD + FAST_BODY:  # pipelined requests piling up: wait for ours
+            self.transport.pause_reading()
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self.site.conns.discard(self)
+        self._cancel_timer()
+        if self.task is not None:
+            self.task.cancel()  # the client is gone: so is its request (handler_cancellation)
+        self._wake_drain()
+
+    def pause_writing(self) -> None:
+        self._paused_writing = True
+
+    def resume_writing(self) -> None:
+        self._paused_writing = False
+        self._wake_drain()
+
+    # -- writing ----------------------------------------------------------------------------
+    def send(self, data: bytes) -> None:
+        if self.closed or self.transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        self.transport.write(data)
+
+    async def drain(self) -> None:
+        if self.closed:
+            raise ConnectionResetError("the client closed the connection")
+        if self._paused_writing:
+            self._drain = fut = asyncio.get_running_loop().create_future()
+            await fut
+            if self.closed:
+                raise ConnectionResetError("the client closed the connection")
+
+    def _wake_drain(self) -> None:
+        fut, self._drain = self._drain, None
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    # -- requests ---------------------------------------------------------------------------
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _idle(self) -> None:
+        self._cancel_timer()
+        self._timer = asyncio.get_running_loop().call_later(KEEPALIVE, self._close_idle)
+
+    def _close_idle(self) -> None:
+        self._timer = None
+        if self.task is None:
+            if self.buf:  # a head trickling in: aiohttp's limits and timers decide
+                self._handover()
+            else:
+                self.transport.close()
+
+    def _next(self) -> None:
+        """Serve the next whole request in the buffer, wait for more, or hand over."""
+        buf = self.buf
+        if not buf:
+            return
+        if self.site.closing:
+            self.transport.close()
+            return
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buf) > MAX_HEAD:
+                self._handover()
+            return
+        head = _Head()
+        parser = httptools.HttpRequestParser(head)
+        try:
+            parser.feed_data(bytes(buf[:end + 4]))
+            if not head.done:
+                raise Handover()
+            method = parser.get_method()
+            if parser.get_http_version() != "1.1" or method not in (b"GET", b"POST"):
+                raise Handover()
+            path = head.url.decode("ascii")
+            if path not in self.site.paths:
+                raise Handover()
+        except (Handover, httptools.HttpParserError, UnicodeDecodeError):
+            self._handover()
+            return
+        n = head.length or 0
+        total = end + 4 + n
+        if n > self.site.max_body:  # aiohttp's path: its 413, or its budget and timers for a big one
+            self._handover()
+            return
+        if len(buf) < total:  # the body is on its way: a short while, else aiohttp's path
+            if self._timer is None or self._timer.when() > asyncio.get_running_loop().time() + BODY_WAIT:
+                self._cancel_timer()
+                self._timer = asyncio.get_running_loop().call_later(BODY_WAIT, self._handover)
+            return
+        budget = self.site.proxy.bodies
+        if n > budget.left:
+            self._handover()  # aiohttp's path answers 503 (the budget is full)
+            return
+        self._cancel_timer()
+        body = bytes(buf[end + 4:total])
+        del buf[:total]
+        self.keep_alive = parser.should_keep_alive()
+        headers = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in head.headers)
+        req = FastRequest(method.decode(), path, headers, self)
+        budget.take(n)
+        self.started = False
+        self.task = asyncio.get_running_loop().create_task(self._serve(req, body, n))
+
+    async def _serve(self, req: FastRequest, body: bytes, n: int) -> None:
+        site = self.site
+        site.inflight += 1
+        try:
+            resp = await site.proxy.serve(req, req.path, body, time.monotonic())
+            if not isinstance(resp, FastStream):
+                self._respond(resp)
+            elif not resp.eof:  # a stream that did not end (ClientGone): the connection is unusable
+                self.keep_alive = False
+        except asyncio.CancelledError:
+            self.keep_alive = False
+        except Exception:
+            log.exception("front_request_failed", path=req.path)
+            self.keep_alive = False
+            if not self.closed and not self.started:
+                self.transport.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n"
+                                     b"Connection: close\r\n\r\n")
+        finally:
+            site.proxy.bodies.give(n)
+            site.inflight -= 1
+            self.task = None
+            if site.closing and not site.inflight:
+                site.idle.set()
+        if self.closed:
+            return
+        if not self.keep_alive or site.closing:
+            self.transport.close()
+            return
+        self.transport.resume_reading()
+        self._idle()
+        self._next()
+
+    def _respond(self, resp: web.StreamResponse) -> None:
+        if self.closed or resp.status == 499:  # ClientGone: nobody to answer
+            self.keep_alive = False
+            return
+        body = resp.body or b""
+        lines = "".join(f"{k}: {v}\r\n" for k, v in resp.headers.items() if k != "Content-Length")
+        close = "" if self.keep_alive else "Connection: close\r\n"
+        self.transport.write(f"HTTP/1.1 {resp.status} {resp.reason}\r\n{lines}Content-Length: {len(body)}\r\n"
+                             f"Date: {_http_date()}\r\n{close}\r\n".encode("latin-1") + body)
+
+    def _handover(self) -> None:
+        """aiohttp's protocol takes this connection, with the bytes not yet served."""
+        self._cancel_timer()
+        if self.handed or self.closed or self.task is not None:
+            return
+        self.handed = True
+        self.site.conns.discard(self)
+        proto = self.site.runner.server()
+        self.transport.set_protocol(proto)
+        proto.connection_made(self.transport)
+        self.transport.resume_reading()
+        data, self.buf = bytes(self.buf), bytearray()
+        if data:
+            proto.data_received(data)
+
+
+class FrontSite(web.TCPSite):
+    """aiohttp's TCPSite, with each connection starting on Front."""
+
+    def __init__(self, runner: web.AppRunner, config, proxy) -> None:
+        super().__init__(runner, config.host, config.port)
+        self.runner, self.proxy, self.paths = runner, proxy, frozenset(config.forward_paths)
+        self.max_body = min(FAST_BODY, config.max_body_bytes)
+        self.conns: set[Front] = set()
+        self.closing = False
+        self.inflight = 0
+        self.idle = asyncio.Event()
+        self.grace = config.shutdown_timeout
+
+    async def start(self) -> None:
+        self._runner._reg_site(self)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: Front(self), self._host, self._port,
+                                                backlog=self._backlog)
+        self._bound_port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        """Stop listening; idle connections close now, requests in flight get ``grace`` to end."""
+        self.closing = True
+        await super().stop()
+        for c in list(self.conns):
+            if c.task is None:
+                c.transport.close()
+        if self.inflight:
+            self.idle.clear()
+            try:
+                async with asyncio.timeout(self.grace):
+                    await self.idle.wait()
+            except TimeoutError:
+                for c in list(self.conns):
+                    if c.task is not None:
+                        c.task.cancel()
+        for c in list(self.conns):
+            c.transport.close()
