@@ -135,13 +135,17 @@ class Front(asyncio.Protocol):
         self.started = False  # the current request's response has begun
         self._paused_writing = False
         self._drain: asyncio.Future | None = None
-        self._timer: asyncio.TimerHandle | None = None  # body wait or keep-alive
+        self._timer: asyncio.TimerHandle | None = None  # the body wait
+        self._ka: asyncio.TimerHandle | None = None  # keep-alive: one timer, re-armed only when it fires
+        self.last = 0.0  # loop time the last request ended (or the connection began)
 
     # -- asyncio.Protocol -------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.site.conns.add(self)
-        self._idle()
+        loop = asyncio.get_running_loop()
+        self.last = loop.time()
+        self._ka = loop.call_later(KEEPALIVE, self._check_idle)
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -153,7 +157,7 @@ class Front(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.site.conns.discard(self)
-        self._cancel_timer()
+        self._cancel_timer(keepalive=True)
         if self.task is not None:
             self.task.cancel()  # the client is gone: so is its request (handler_cancellation)
         self._wake_drain()
@@ -186,17 +190,21 @@ class Front(asyncio.Protocol):
             fut.set_result(None)
 
     # -- requests ---------------------------------------------------------------------------
-    def _cancel_timer(self) -> None:
+    def _cancel_timer(self, keepalive: bool = False) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if keepalive and self._ka is not None:
+            self._ka.cancel()
+            self._ka = None
 
-    def _idle(self) -> None:
-        self._cancel_timer()
-        self._timer = asyncio.get_running_loop().call_later(KEEPALIVE, self._close_idle)
-
-    def _close_idle(self) -> None:
-        self._timer = None
+    def _check_idle(self) -> None:
+        loop = asyncio.get_running_loop()
+        idle = loop.time() - self.last
+        if self.task is not None or idle < KEEPALIVE:
+            self._ka = loop.call_later(KEEPALIVE - idle if self.task is None else KEEPALIVE, self._check_idle)
+            return
+        self._ka = None
         if self.task is None:
             if self.buf:  # a head trickling in: aiohttp's limits and timers decide
                 self._handover()
@@ -237,8 +245,7 @@ class Front(asyncio.Protocol):
             self._handover()
             return
         if len(buf) < total:  # the body is on its way: a short while, else aiohttp's path
-            if self._timer is None or self._timer.when() > asyncio.get_running_loop().time() + BODY_WAIT:
-                self._cancel_timer()
+            if self._timer is None:
                 self._timer = asyncio.get_running_loop().call_later(BODY_WAIT, self._handover)
             return
         budget = self.site.proxy.bodies
@@ -284,7 +291,7 @@ class Front(asyncio.Protocol):
             self.transport.close()
             return
         self.transport.resume_reading()
-        self._idle()
+        self.last = asyncio.get_running_loop().time()
         self._next()
 
     def _respond(self, resp: web.StreamResponse) -> None:
@@ -299,9 +306,9 @@ class Front(asyncio.Protocol):
 
     def _handover(self) -> None:
         """aiohttp's protocol takes this connection, with the bytes not yet served."""
-        self._cancel_timer()
         if self.handed or self.closed or self.task is not None:
             return
+        self._cancel_timer(keepalive=True)
         self.handed = True
         self.site.conns.discard(self)
         proto = self.site.runner.server()

@@ -1,0 +1,105 @@
+"""The router's lean listener (router/front.py) and upstream pool (router/upstream.py) against a real
+engine, over raw sockets: what it serves itself, what it hands to aiohttp on the same connection,
+and that upstream connections are reused rather than opened per request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from conftest import Procs
+from router.front import BODY_WAIT
+from router_helpers import running_router, start_engines, tolerant, wait_for
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    procs = Procs()
+    try:
+        (e,) = start_engines(procs, tiny_model, ["eng"])
+        yield e
+    finally:
+        procs.stop_all()
+
+
+def completion(max_tokens: int = 2) -> bytes:
+    return json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": max_tokens, "temperature": 0}).encode()
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict, bytes]:
+    """One HTTP/1.1 response with a Content-Length body (what both listeners send for these)."""
+    head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)).decode("latin-1").split("\r\n")
+    status = int(head[0].split()[1])
+    headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in head[1:] if line)}
+    body = await reader.readexactly(int(headers["content-length"]))
+    return status, headers, body
+
+
+def post(path: str, body: bytes, extra: str = "") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{extra}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def test_one_connection_mixes_lean_and_aiohttp_requests(engine):
+    async with running_router(tolerant(), primary=engine) as router:
+        await wait_for(lambda: router.services["tiny"].routable() is not None)
+        reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+        try:
+            writer.write(post("/v1/completions", completion()))  # plain: served by the lean listener
+            status, headers, body = await read_response(reader)
+            assert status == 200 and headers["x-failover-instance"] == "eng", body
+            assert "server" not in headers  # aiohttp would have named itself
+            assert json.loads(body)["choices"][0]["token_ids"]
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # not a forward path: aiohttp's
+            status, headers, body = await read_response(reader)
+            assert status == 200 and json.loads(body) == {"alive": True}
+            assert headers["server"].startswith("Python/")  # aiohttp answered it
+            writer.write(post("/v1/completions", completion()))  # the connection stays aiohttp's, and works
+            status, headers, body = await read_response(reader)
+            assert status == 200 and json.loads(body)["choices"][0]["token_ids"], body
+        finally:
+            writer.close()
+
+
+async def test_a_body_that_trickles_is_served_either_way(engine):
+    async with running_router(tolerant(), primary=engine) as router:
+        await wait_for(lambda: router.services["tiny"].routable() is not None)
+        for pause in (0.02, BODY_WAIT + 0.3):  # within the lean listener's wait, then past it (aiohttp's)
+            reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+            try:
+                raw = post("/v1/completions", completion())
+                writer.write(raw[:-10])
+                await asyncio.sleep(pause)
+                writer.write(raw[-10:])
+                status, headers, body = await read_response(reader)
+                assert status == 200, body
+                assert ("server" in headers) == (pause > BODY_WAIT), (pause, headers)
+            finally:
+                writer.close()
+
+
+async def test_upstream_connections_are_pooled_and_a_pipelined_pair_is_answered_in_order(engine):
+    async with running_router(tolerant(), primary=engine) as router:
+        await wait_for(lambda: router.services["tiny"].routable() is not None)
+        inst = router.services["tiny"].instances["eng"]
+        reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+        try:
+            for _ in range(5):
+                writer.write(post("/v1/completions", completion()))
+                assert (await read_response(reader))[0] == 200
+            pool = inst._session
+            assert len(pool._idle) + len(pool._busy) == 1  # sequential requests: one engine connection
+            writer.write(post("/v1/completions", completion(1)) + post("/v1/completions", completion(3)))
+            first, second = await read_response(reader), await read_response(reader)
+            assert len(json.loads(first[2])["choices"][0]["token_ids"]) == 1
+            assert len(json.loads(second[2])["choices"][0]["token_ids"]) == 3
+            writer.write(post("/v1/completions", completion(), "Connection: close\r\n"))
+            status, headers, _ = await read_response(reader)
+            assert status == 200 and headers["connection"] == "close"
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # and closed
+        finally:
+            writer.close()
