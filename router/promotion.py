@@ -23,7 +23,7 @@ from router import states
 from router.backend import Instance, Service
 from router.config import RouterConfig
 from router.errors import AdminError
-from router.health import PROBE_TIMEOUT  # fails a primary only when a ready standby can take over
+from router.health import HANG, PROBE_TIMEOUT  # fail a primary only when a ready standby can take over
 from router.launcher import Launcher
 from router.metrics import Metrics
 from router.roles import LocalRoles, RoleStore
@@ -140,7 +140,7 @@ class Promoter:
 
     def _count_failure(self, inst: Instance, kind: str, why: str) -> None:
         inst.failures += 1
-        if inst.failures < self.config.failure_threshold:
+        if inst.failures < self.config.failure_threshold and why != HANG:  # HANG: two signals agreed
             return
         if not inst.ever_ready:
             # Still starting, as far as we know (a standalone router started before its engines):
@@ -150,7 +150,7 @@ class Promoter:
             return
         if inst.role in states.SERVING:
             service = self.services[inst.service]
-            if kind == "probe" and why == PROBE_TIMEOUT and self.best_standby(service, exclude=inst) is None:
+            if kind == "probe" and why in (PROBE_TIMEOUT, HANG) and self.best_standby(service, exclude=inst) is None:
                 # Slow, perhaps hung, but nothing could serve instead: fencing it would turn a slow
                 # service into none. Kept until it answers or a standby is ready (on_probe).
                 if not inst.slow_kept:
@@ -159,7 +159,7 @@ class Promoter:
                               failures=inst.failures, hint="no ready standby to fail over to; it is "
                               "failed as soon as one is ready, unless it answers again first")
                 return
-            self.fail(inst, kind)
+            self.fail(inst, "hang" if why == HANG else kind)
         else:  # a standby that does not answer is not promoted; it may come back by itself
             self.set_ready(inst, False, f"{kind}: {why}")
             inst.suspect = False
