@@ -46,7 +46,7 @@ def rank_loads(node_log: Path, report: dict) -> None:
         r = e.get("rank")
         report[f"daemon_load_s_rank{r}"] = e.get("seconds")
         report[f"daemon_load_gbps_rank{r}"] = e.get("gbps")
-        report[f"daemon_load_gib_rank{r}"] = round((e.get("bytes") or 0) / 2**30, 3)
+        report[f"daemon_load_mib_rank{r}"] = round((e.get("bytes") or 0) / 2**20, 1)
 
 
 def attach_per_rank(sock: Path, model: Path, dtype: str, device: str, tp: int, report: dict) -> None:
@@ -59,7 +59,7 @@ def attach_per_rank(sock: Path, model: Path, dtype: str, device: str, tp: int, r
             continue
         out = json.loads(res.stdout.splitlines()[-1])
         report[f"attach_ms_rank{r}"] = out["attach_ms"]
-        report[f"attach_gib_rank{r}"] = round(out["bytes"] / 2**30, 3)
+        report[f"attach_mib_rank{r}"] = round(out["bytes"] / 2**20, 1)
         report[f"attach_device_rank{r}"] = out["device"]
 
 

@@ -83,6 +83,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--loop-lag-tolerance", type=float, default=d.loop_lag_tolerance,
                    help="a probe timed out while the router's own loop lagged more is not counted "
                         "(seconds, default: %(default)s)")
+    p.add_argument("--hang-probe-timeout", type=float, default=d.hang_probe_timeout,
+                   help="every stream of the primary silent and a probe unanswered this long: hung, "
+                        "failed over at once (seconds, 0: off, default: %(default)s)")
     p.add_argument("--replace-settle-timeout", type=float, default=d.replace_settle_timeout,
                    help="after a failover, wait at most this for the broken requests to resume before "
                         "asking for a replacement (seconds, default: %(default)s)")
@@ -128,7 +131,8 @@ def main(argv: list[str]) -> int:
             max_buffered_bytes=args.max_buffered_bytes, body_timeout=args.body_timeout,
             forward_paths=tuple(dict.fromkeys(d.forward_paths + tuple(args.forward_path))),
             max_upstream=args.max_upstream, upstream_queue_size=args.upstream_queue_size,
-            loop_lag_tolerance=args.loop_lag_tolerance, replace_settle_timeout=args.replace_settle_timeout)
+            loop_lag_tolerance=args.loop_lag_tolerance, replace_settle_timeout=args.replace_settle_timeout,
+            hang_probe_timeout=args.hang_probe_timeout)
     except ValueError as exc:
         print(f"failover router: {exc}", file=sys.stderr)
         return 2

@@ -11,9 +11,10 @@ reported at all, since our lateness, not the engine's, may be what ran the clock
 Under load a hang is seen sooner (issue 15): every ``STALL_TICK`` the primary's stream relays are
 sampled (router/stall.py). When every one of them is silent past its own rhythm, *and* a probe sent
 to it has gone unanswered for ``hang_probe_timeout`` (shorter than ``probe_timeout``: two signals
-agree), *and* no probe got an answer since that one was sent, *and* the router's loop did not lag
-over that window, the instance is reported once as ``HANG``. promotion.py fails it over at once, unless
-it is the last ready instance (then it is kept, as for a probe timeout).
+agree; at the silence's start one probe is sent at once, not at the next ``probe_interval``), *and*
+no probe sent after that one got an answer, *and* the router's loop did not lag over that window,
+the instance is reported once as ``HANG``. promotion.py fails it over at once, unless it is the
+last ready instance (then it is kept, as for a probe timeout).
 
 The monitor only observes; it reports each verdict to ``on_result`` (the router decides).
 """
@@ -60,10 +61,11 @@ class HealthMonitor:
         self._session: aiohttp.ClientSession | None = None
         self._max_pending = math.ceil(config.probe_timeout / config.probe_interval) + 1
         self._sent: dict[Instance, dict[int, float]] = {}  # probes awaiting an answer: serial -> start
-        self._answered: dict[Instance, float] = {}  # when a probe last got any HTTP answer
+        self._answered: dict[Instance, float] = {}  # send time of the latest probe that got any HTTP answer
         self._serial = 0
         self._silence = StreamSilence(config.hang_stream_floor, config.hang_stream_factor)
         self._reported: dict[Instance, float] = {}  # silence start already reported as HANG
+        self._asked: dict[Instance, float] = {}  # silence start a probe was sent for at once
         self._stall_task: asyncio.Task | None = None
 
     def watch(self, inst: Instance) -> None:
@@ -121,7 +123,8 @@ class HealthMonitor:
         try:
             async with asyncio.timeout(self.config.probe_timeout):
                 async with self._client().get(inst.url + inst.probe_path) as resp:
-                    self._answered[inst] = time.monotonic()  # its HTTP side lives, whatever it says
+                    # its HTTP side lived after t0, whatever it says
+                    self._answered[inst] = max(self._answered.get(inst, 0.0), t0)
                     await resp.read()
                     ok, why = resp.status == 200, f"status {resp.status}"
         except TimeoutError:
@@ -159,12 +162,15 @@ class HealthMonitor:
         silent = self._silence.sample(inst, now)
         if silent is None or self._reported.get(inst) == silent:
             return
-        sent = self._sent.get(inst)
-        probe_t0 = min(sent.values()) if sent else None
+        # The oldest probe still waiting that was sent after the last one to get an answer: an
+        # answer to a later probe would show its HTTP side alive (busy, or only its decode stalled).
+        answered = self._answered.get(inst, 0.0)
+        probe_t0 = min((t for t in self._sent.get(inst, {}).values() if t > answered), default=None)
         if probe_t0 is None or now - probe_t0 < self.config.hang_probe_timeout:
+            if self._asked.get(inst) != silent:  # ask now rather than at the next probe_interval
+                self._asked[inst] = silent
+                self._spawn(inst)
             return  # the streams alone fence nothing: wait for a probe to agree (or not)
-        if self._answered.get(inst, 0.0) >= probe_t0:
-            return  # a later probe got an answer: its HTTP side lives (busy, or only its decode stalled)
         if (lag := self.lag.lag_since(min(silent, probe_t0))) > self.config.loop_lag_tolerance:
             return  # our loop was late: the tokens may be sitting unread in our sockets
         self._reported[inst] = silent

@@ -64,6 +64,7 @@ class RouterConfig(_Base):
     max_upstream: PositiveInt = 128  # requests in flight to one instance at once
     upstream_queue_size: NonNegativeInt = 1024  # requests waiting in the router for one of those
     loop_lag_tolerance: Positive = 0.1  # a probe timed out while the router's loop lagged more: not counted
+    hang_probe_timeout: NonNegative = 0.1  # every stream of the primary silent + a probe unanswered this long: hung (0: off)
     replace_settle_timeout: NonNegative = 2.0  # a replacement waits at most this for the failover to settle
 
     @property
