@@ -129,11 +129,12 @@ def gpu_memory(pids) -> int:
 
 
 def loading_seconds(log_path: Path) -> str:
-    """vLLM's own "Model loading took ... seconds" from its log."""
+    """vLLM's own "Loading weights took N seconds" (its disk loader; on GPUs "Model loading took")."""
     for line in log_path.read_text(errors="replace").splitlines():
-        if "Model loading took" in line:
-            return line.split("Model loading took", 1)[1].strip()
-    return "?"
+        for key in ("Model loading took", "Loading weights took"):
+            if key in line:
+                return line.split(key, 1)[1].strip()
+    return "-"
 
 
 def run_mode(mode: str, model: Path, d: Path, args, sock: Path | None, weights: int) -> None:
@@ -153,7 +154,7 @@ def run_mode(mode: str, model: Path, d: Path, args, sock: Path | None, weights: 
             pids = group_members(proc.pid)
             mem = tree_memory(proc.pid)
             arena = arena_memory(pids)["arena"]
-            line = (f"{mode:5s} instance {i}: launch -> /health {ready:.1f} s (vLLM: model loading took "
+            line = (f"{mode:5s} instance {i}: launch -> /health {ready:.1f} s (vLLM's loader: "
                     f"{loading_seconds(log_path)}); tree ({len(pids)} processes) rss {mem['rss'] / 2**20:.0f} MiB, "
                     f"pss {mem['pss'] / 2**20:.0f} MiB, private {mem['private'] / 2**20:.0f} MiB, "
                     f"shared {mem['shared'] / 2**20:.0f} MiB")
@@ -166,7 +167,7 @@ def run_mode(mode: str, model: Path, d: Path, args, sock: Path | None, weights: 
                 line += (f"; arena in this tree: rss {arena['Rss'] / 2**20:.1f} MiB, pss {arena['Pss'] / 2**20:.1f} MiB, "
                          f"private {(arena['Private_Clean'] + arena['Private_Dirty']) / 2**20:.1f} MiB; loader: "
                          f"shared {info['shared_bytes'] / 2**20:.1f} MiB, copied {info['copied_bytes'] / 2**20:.2f} MiB, "
-                         f"repacked {info['repacked_bytes'] / 2**20:.1f} MiB in {info['seconds']:.3f} s")
+                         f"repacked {info['repacked_bytes'] / 2**20:.1f} MiB, mapped and built in {info['seconds']:.3f} s")
             print(line, flush=True)
     finally:
         for proc in procs:
