@@ -27,9 +27,15 @@ def register() -> None:
     if os.environ.get(ENV) == "1":
         die_with_parent(signal.SIGKILL)
     if not _registered:
-        from vllm.model_executor.model_loader import register_model_loader
-
-        from failover_vllm.model_loader import LOAD_FORMAT, FailoverModelLoader
-
-        register_model_loader(LOAD_FORMAT)(FailoverModelLoader)
         _registered = True
+        try:
+            from vllm.model_executor.model_loader import register_model_loader
+
+            from failover_vllm.model_loader import LOAD_FORMAT, FailoverModelLoader
+        except ImportError as e:  # another vLLM than the loader is written for: vLLM itself still runs
+            import logging
+
+            logging.getLogger(__name__).warning("failover's --load-format failover is unavailable with this "
+                                                "vLLM (%s); weights = \"disk\" still works", e)
+            return
+        register_model_loader(LOAD_FORMAT)(FailoverModelLoader)
