@@ -94,19 +94,18 @@ def needs_zygote(config: Config) -> bool:
     return any(s.engine == "failover" for s in config.service)
 
 
-
 def weights_report(config: Config, slot_name: str):
     """The file a vLLM instance's model loader writes once its weights are in place (failover_vllm)."""
     return config.run_path / f"{slot_name}.weights.json"
 
 
-def read_weights_report(path) -> dict:
-    """What the instance reported (then the file is removed); ``disk`` when it wrote nothing:
-    vLLM's own loader (``weights = "disk"``) writes no report."""
+def read_weights_report(path, svc: ServiceConfig) -> dict:
+    """What the instance reported (then the file is removed). vLLM's own loader (``weights =
+    "disk"``) writes none: ``disk``; a ``cache`` instance that wrote none is ``unknown``, not guessed."""
     try:
         info = json.loads(path.read_text())
     except FileNotFoundError:
-        return {"weights_source": "disk"}
+        return {"weights_source": "disk" if svc.weights == "disk" else "unknown (no report from the model loader)"}
     except ValueError as e:
         return {"weights_source": f"unknown (bad report: {e})"}
     finally:

@@ -74,7 +74,7 @@ class EngineStarter:
         if isinstance(child, TreeChild):
             child.scan()  # its shared-memory files, removed after it (failover.procs.tree)
             # vLLM's /health has no body: its model loader (failover_vllm) reported where its weights came from
-            info = read_weights_report(weights_report(self.config, slot.name))
+            info = read_weights_report(weights_report(self.config, slot.name), svc)
         slot.ready_at, slot.ready_info = time.monotonic(), info
         slot.kv_bytes = info.get("kv_bytes") if isinstance(info.get("kv_bytes"), int) else None
         slot.change(slots.RUNNING, "ready", pid=child.pid, weights_source=info.get("weights_source"),
