@@ -144,6 +144,9 @@ class ServiceConfig(_Base):
     engine_args: list[str] = []  # passed through to the engine's command line as they are (vllm)
     engine_python: str | None = None  # the interpreter that has vllm installed (default: ours)
     engine_env: dict[str, str] = {}  # added to the engine's environment (vllm: VLLM_* settings)
+    # vllm: "cache" maps the weights from the node's cache daemon (`--load-format failover`, the daemon
+    # packs vLLM's own loading); "disk": vLLM reads the checkpoint itself (docs/vllm.md, "Weights")
+    weights: Literal["cache", "disk"] = "cache"
     command: list[str] | None = None  # external engine: argv template with {port}, {model}, ...
     ready_path: str = "/ready"  # for external engines (vllm: /health, always)
     batch: BatchConfig | None = None
@@ -298,6 +301,12 @@ def _check_services(config: Config) -> list[str]:
         problems.append("service: at least one [[service]] table is needed")
     if len(str(config.daemon_socket).encode()) > 100:
         problems.append(f"run_dir: {config.run_dir!r} is too long for a unix socket path; use a short path such as /run/failover")
+    ours = [s.name for s in config.service if s.engine == "failover"]
+    mapped_vllm = [s.name for s in config.service if s.engine == "vllm" and s.weights == "cache"]
+    if ours and mapped_vllm:
+        problems.append(f"service: {', '.join(mapped_vllm)} (engine = \"vllm\") and {', '.join(ours)} (the bundled "
+                        "engine) would need two layouts of the weights from the node's one cache daemon; give the "
+                        "vLLM service(s) weights = \"disk\", or run them on another node")
     owner: dict[int, str] = {config.router.port: "router.port"}
     seen: set[str] = set()
     for i, svc in enumerate(config.service):
