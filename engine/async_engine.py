@@ -50,6 +50,7 @@ class AsyncEngine:
         self.graphs_total = 0  # buckets that will get one (0: eager decode only)
         self.error: BaseException | None = None
         self.kv_usage: KVUsage | None = None  # the engine thread's latest snapshot, for the probes
+        self._resizes: list[tuple[int, asyncio.Future]] = []  # engine thread: pool resizes not applied yet
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -128,17 +129,23 @@ class AsyncEngine:
                     if not self.engine.has_work():
                         continue
                 if not self.engine.has_work():
+                    if self._resizes:
+                        self._apply_resizes()
+                        continue
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()
                 self._loop.call_soon_threadsafe(self._deliver, outputs)
                 self._report()
+                self._apply_resizes()
         except BaseException as e:  # noqa: BLE001 - any failure ends the engine; report, then exit
             log.exception("engine_step_failed")
             self.error = e
             self._loop.call_soon_threadsafe(self._fail_all, e)
             return
+        for _, done in self._resizes:  # asked for while stopping: never applied
+            self._loop.call_soon_threadsafe(_settle, done, None, EngineDead("the engine is stopping"))
         try:
             self.engine.runner.run(StepPlan("stop"))
         except RuntimeError as e:  # a rank already gone: the process stop ends the others
@@ -173,12 +180,19 @@ class AsyncEngine:
         self.engine.abort(seq_id)
 
     def resize(self, budget: int, done: asyncio.Future) -> None:
-        try:
-            result, error = self.engine.resize_kv(budget), None
-        except RuntimeError as e:  # out of memory: the pool stays as it was
-            result, error = None, e
-        self._report()  # metrics show the new pool by the time the caller hears back
-        self._loop.call_soon_threadsafe(_settle, done, result, error)
+        # applied after the next step, not before it: a promoted standby's growth (tens of ms for
+        # GiBs of KV) must not hold back the first tokens of the streams it just took over
+        self._resizes.append((budget, done))
+
+    def _apply_resizes(self) -> None:
+        while self._resizes:
+            budget, done = self._resizes.pop(0)
+            try:
+                result, error = self.engine.resize_kv(budget), None
+            except RuntimeError as e:  # out of memory: the pool stays as it was
+                result, error = None, e
+            self._report()  # metrics show the new pool by the time the caller hears back
+            self._loop.call_soon_threadsafe(_settle, done, result, error)
 
     # --- event loop ----------------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
