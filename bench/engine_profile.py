@@ -161,6 +161,7 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--context", type=int, default=128, help="decode steps before profiling: context/2")
     p.add_argument("--top", type=int, default=14)
+    p.add_argument("--memory-only", action="store_true", help="only the memory by stage (no profiling)")
     a = p.parse_args()
     import torch
 
@@ -175,12 +176,20 @@ def main() -> int:
         print(f"  {name:<36} used {used:9.0f} (+{used - last:7.0f})   torch reserved {reserved:9.0f}   "
               f"driver {used - reserved:7.0f}")
         last = used
+    if a.memory_only:
+        return 0
     for rows, tokens in ((1, 40), (16, 16)):
         r = profile_prefill(runner, rows, tokens, a)
         print(f"\nprefill {rows} x {tokens} tokens: {r['wall_ms']:.2f} ms a forward (wall, synchronized), kernels' "
               f"device time {r['device_ms']:.2f} ms; host time by op (self, per forward):")
         for ms, count, name in r["host"][:a.top]:
             print(f"  {ms:7.3f} ms  {count:5.0f}x  {name}")
+    default = torch.backends.cuda.preferred_blas_library()
+    for lib in ("cublas", "cublaslt"):  # the matmuls' host cost per library (the prefill runs eagerly)
+        torch.backends.cuda.preferred_blas_library(lib)
+        walls = [profile_prefill(runner, rows, tokens, a)["wall_ms"] for rows, tokens in ((1, 40), (16, 16))]
+        print(f"prefill with preferred_blas_library={lib!r}: 1 x 40 {walls[0]:.2f} ms, 16 x 16 {walls[1]:.2f} ms")
+    torch.backends.cuda.preferred_blas_library(default)
     for b in [int(x) for x in a.batches.split(",")]:
         r = profile_batch(engine, runner, b, a)
         total = sum(v[0] for v in r["kernels"].values())
