@@ -184,12 +184,6 @@ def main() -> int:
               f"device time {r['device_ms']:.2f} ms; host time by op (self, per forward):")
         for ms, count, name in r["host"][:a.top]:
             print(f"  {ms:7.3f} ms  {count:5.0f}x  {name}")
-    default = torch.backends.cuda.preferred_blas_library()
-    for lib in ("cublas", "cublaslt"):  # the matmuls' host cost per library (the prefill runs eagerly)
-        torch.backends.cuda.preferred_blas_library(lib)
-        walls = [profile_prefill(runner, rows, tokens, a)["wall_ms"] for rows, tokens in ((1, 40), (16, 16))]
-        print(f"prefill with preferred_blas_library={lib!r}: 1 x 40 {walls[0]:.2f} ms, 16 x 16 {walls[1]:.2f} ms")
-    torch.backends.cuda.preferred_blas_library(default)
     for b in [int(x) for x in a.batches.split(",")]:
         r = profile_batch(engine, runner, b, a)
         total = sum(v[0] for v in r["kernels"].values())

@@ -50,7 +50,8 @@ def config_for(a: argparse.Namespace, workdir: Path, model: Path, launch: str):
         "run_dir": str(workdir / f"run-{launch}"),
         "model": {"path": str(model), "dtype": a.dtype, "device": a.device, "tp": a.tp},
         "router": {"port": router_port, "probe_interval": 0.2},
-        "supervisor": {"launch": launch, "log_level": "info",  # the engines' start phases (engine_built) "ready_timeout": 600.0,
+        # log level info: the engines' start phases (engine_built), printed per round
+        "supervisor": {"launch": launch, "log_level": "info", "ready_timeout": 600.0,
                        "crash_loop_exits": 1000, "crash_loop_window": 0.001},  # no backoff between rounds
         "service": [{"name": "chat", "standbys": 1, "kv_memory": a.kv_memory, "port": engine_port}],
     }, source=f"bench-{launch}")

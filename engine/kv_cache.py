@@ -132,9 +132,10 @@ class KVPool:
     def resize(self, chunks: tuple[int, ...]) -> None:
         """Make the chunk list ``chunks`` (from ``plan_resize``; every rank applies the same one):
         chunks that stay are kept in place, the others dropped, new ones appended (zeroed on the gather
-        path, where garbage in a block would reach attention through a masked NaN). A grow drops nothing and allocates before
-        appending, so an out-of-memory error leaves the pool as it was; a shrink frees before it
-        allocates its (smaller) replacement chunk, so it never needs more memory than it had."""
+        path, where garbage in a block would reach attention through a masked NaN). A grow drops
+        nothing and allocates before appending, so an out-of-memory error leaves the pool as it was;
+        a shrink frees before it allocates its (smaller) replacement chunk, so it never needs more
+        memory than it had."""
         keep = 0
         while keep < min(len(chunks), len(self.chunks)) and chunks[keep] == self.chunks[keep].shape[2]:
             keep += 1
