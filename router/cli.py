@@ -148,7 +148,9 @@ def main(argv: list[str]) -> int:
 async def _serve(config: RouterConfig, args: argparse.Namespace) -> int:
     etcd = view = None
     if args.etcd:
-        etcd = Etcd([ep for arg in args.etcd for ep in arg.split(",") if ep])
+        # each call's deadline, per member: a frozen one costs this, well inside the TTL
+        etcd = Etcd([ep for arg in args.etcd for ep in arg.split(",") if ep],
+                    timeout=max(0.2, min(1.0, args.ttl / 4)))
         rid = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
         roles = EtcdRoles(etcd, args.cluster, rid)
         router = Router(config, launcher=None, roles=roles)

@@ -271,7 +271,7 @@ def etcd_get(endpoints: list[str], key: str) -> dict | None:
     for ep in endpoints:
         try:
             req = urllib.request.Request(ep + "/v3/kv/range", data=body, method="POST")
-            with urllib.request.urlopen(req, timeout=2) as r:
+            with urllib.request.urlopen(req, timeout=0.5) as r:  # a frozen member: the next one
                 doc = json.loads(r.read())
         except OSError:
             continue
@@ -333,7 +333,9 @@ class Rig:
         s = Streams(self.front.url, self.expected, **kw)
         s.start()
         time.sleep(1.5)
-        assert s.ok > 0 or s.arrivals, "no stream got through the front before the fault"
+        # a loaded box can be slower than that: the fault waits for one whole stream through the front
+        wait_until(lambda: s.ok > 0 or s.failures, 30, "a stream through the front before the fault")
+        assert s.ok > 0, s.failures[:3]
         return s
 
     def close(self) -> None:

@@ -93,6 +93,16 @@ class EtcdCluster:
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
 
+    def freeze(self, i: int) -> None:
+        """SIGSTOP of one member: its sockets stay open, it answers nothing (a hung member)."""
+        self.procs[i].send_signal(signal.SIGSTOP)
+
+    def thaw(self, i: int) -> None:
+        self.procs[i].send_signal(signal.SIGCONT)
+
+    def index(self, endpoint: str) -> int:
+        return self.endpoints.index(endpoint)
+
     def restart(self, i: int) -> None:
         self.kill(i)
         self._spawn(i, "existing")
@@ -100,6 +110,7 @@ class EtcdCluster:
     def stop(self) -> None:
         for proc in self.procs:
             if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)  # a frozen member would not act on SIGTERM
                 proc.terminate()
         for proc in self.procs:
             if proc is not None:

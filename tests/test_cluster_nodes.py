@@ -142,6 +142,36 @@ def test_sigstop_of_a_whole_node_past_the_ttl_is_fenced_and_never_primary_again(
     rig.settle()
 
 
+def test_sigstop_of_the_etcd_member_in_use_moves_everyone_off_it_and_a_promotion_still_works(rig):
+    # the member that router r1 asks first (every client starts on the same one unless it moved)
+    frozen = rig.etcd.index(rig.routers[0].status()["cluster"]["etcd"][0])
+    registrations = {n.name: n.status()["supervisor"]["cluster"]["registrations"] for n in rig.nodes.values()}
+    s = rig.streaming()
+    rig.etcd.freeze(frozen)
+    try:
+        time.sleep(3.0)  # past the TTL (2 s): leases kept alive through the other members
+        for n in rig.nodes.values():
+            assert etcd_get(rig.etcd.endpoints[frozen + 1:] + rig.etcd.endpoints[:frozen],
+                            f"/failover/test/nodes/{n.name}") is not None, f"node {n.name}'s lease expired"
+        node = rig.node_of_primary()
+        before = rig.primary()
+        signal_all(node.engine_pids(), signal.SIGKILL)  # a promotion while the member is frozen
+        wait_until(lambda: rig.primary() != before, 20, "a promotion with one member frozen")
+        rig.settle()  # both routers follow, the killed engine is back as the standby
+        s.stop()
+        assert_clean(s)
+        for r in rig.routers:
+            doc = r.status()["cluster"]
+            assert not doc["held"] and doc["etcd"][0] != rig.etcd.endpoints[frozen], doc["etcd"]
+        for n in rig.nodes.values():
+            doc = n.status()["supervisor"]["cluster"]
+            assert doc["registrations"] == registrations[n.name], "a node lost its lease to a frozen member"
+            assert doc["etcd"][0] != rig.etcd.endpoints[frozen]
+    finally:
+        rig.etcd.thaw(frozen)
+        rig.etcd.wait_healthy(members=[frozen])
+
+
 def test_kill_9_of_one_etcd_member_then_a_failover_still_goes_through(rig):
     rig.etcd.kill(0)
     try:

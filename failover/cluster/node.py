@@ -66,6 +66,7 @@ class NodeCluster:
         self.changed = asyncio.Event()
         self.fingerprint = fingerprint(config)
         self._task: asyncio.Task | None = None
+        self._full_at = 0.0
 
     def attach(self, router) -> None:
         """``router`` was built with ``roles=self.roles``; follow etcd and republish on role changes."""
@@ -98,6 +99,10 @@ class NodeCluster:
         return f"{self.prefix}instances/{slot.service}/{instance_id(slot.name, self.c.node)}"
 
     async def _publish(self) -> None:
+        if time.monotonic() - self._full_at > self.c.ttl:
+            # every record again once per TTL: a write that a frozen member received, timed out
+            # here and applied after it thawed cannot leave an older record in place for longer
+            self.published, self._full_at = {}, time.monotonic()
         node_key = f"{self.prefix}nodes/{self.c.node}"
         await self.etcd.put(node_key, json.dumps({**self.node_record(), "fingerprint": self.fingerprint}),
                             self.lease)
@@ -159,4 +164,4 @@ class NodeCluster:
     def status(self) -> dict:
         return {"node": self.c.node, "lease": f"{self.lease:x}" if self.lease else None,
                 "registered_at": self.registered_at, "registrations": self.registrations,
-                "fingerprint": self.fingerprint}
+                "etcd": list(self.etcd.endpoints), "fingerprint": self.fingerprint}
