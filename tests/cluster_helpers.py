@@ -68,7 +68,7 @@ class ClusterNode:
     """One `failover up` with a [cluster] table; one engine slot (standbys = 0) unless told."""
 
     def __init__(self, procs, model: Path, base: Path, name: str, host: str, endpoints: list[str], *,
-                 ttl: int = 2, standbys: int = 0) -> None:
+                 ttl: int = 2, standbys: int = 0, cluster: dict | None = None) -> None:
         self.procs, self.name, self.host = procs, name, host
         self.dir = base / name
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -83,7 +83,7 @@ class ClusterNode:
         text += "\n[supervisor]\n" + _table({"ready_timeout": 90.0, "stop_timeout": 5.0, "drain_timeout": 2.0,
                                              "backoff_initial": 0.1})
         text += "\n[cluster]\n" + _table({"etcd": endpoints, "node": name, "ttl": ttl, "host": host,
-                                          "name": "test"})
+                                          "name": "test", **(cluster or {})})
         text += "\n[[service]]\n" + _table({"name": "chat", "kind": "online", "standbys": standbys,
                                             "kv_memory": "8MiB", "port": self.engine_port, "max_batch": 8})
         self.config_path.write_text(text)
@@ -151,8 +151,10 @@ class ClusterNode:
 
 
 class PeerRouter:
-    def __init__(self, procs, base: Path, name: str, endpoints: list[str], *, ttl: int = 2) -> None:
+    def __init__(self, procs, base: Path, name: str, endpoints: list[str], *, ttl: int = 2,
+                 store: list[str] | None = None) -> None:
         self.procs, self.name, self.endpoints, self.ttl = procs, name, endpoints, ttl
+        self.store = store if store is not None else ["--etcd", ",".join(endpoints)]  # or --k8s-lease ...
         self.port = free_port()
         self.log_path = base / f"router-{name}.log"
         self.token_path = base / f"router-{name}.token"
@@ -167,7 +169,7 @@ class PeerRouter:
     def start(self) -> PeerRouter:
         log = open(self.log_path, "ab")
         self.proc = self.procs.python(
-            "-m", "failover", "router", "--etcd", ",".join(self.endpoints), "--cluster", "test",
+            "-m", "failover", "router", *self.store, "--cluster", "test",
             "--router-id", self.name, "--ttl", str(self.ttl), "--port", str(self.port),
             "--admin-token-file", str(self.token_path), "--probe-interval", "0.1", "--probe-timeout", "0.5",
             "--queue-deadline", "20", stdout=log, stderr=subprocess.STDOUT)

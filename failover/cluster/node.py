@@ -28,9 +28,10 @@ from pathlib import Path
 import structlog
 
 from cache_daemon.fingerprint import model_identity
-from failover.config.schema import Config
+from failover.config.schema import ClusterConfig, Config
 from failover.procs.slots import Slot
 from failover_common.etcd import Etcd, EtcdError, EtcdUnavailable, LeaseLost
+from failover_common.k8s_store import KubeStore, in_cluster_defaults
 from router.cluster import ClusterView, join
 from router.roles import EtcdRoles, cluster_prefix, instance_id
 
@@ -50,11 +51,24 @@ def fingerprint(config: Config) -> dict:
     return doc
 
 
+def make_store(c: ClusterConfig, env) -> Etcd | KubeStore:
+    """The node's store: etcd, or Kubernetes Leases (``backend = "k8s"``; in a pod the API server
+    and the service account come from ``env`` and its files). Each call's deadline, per member, is
+    ttl/4 (0.2 - 1 s): a frozen member costs that much, well inside the TTL."""
+    deadline = max(0.2, min(1.0, c.ttl / 4))
+    if c.backend == "k8s":
+        api, token, ca = in_cluster_defaults(c.api, Path(c.token_file) if c.token_file else None,
+                                             Path(c.ca_file) if c.ca_file else None, env)
+        return KubeStore.connect(api, c.namespace, c.name, token_file=token, ca_file=ca, timeout=deadline,
+                                 poll=max(0.1, c.ttl / 8))
+    return Etcd(c.etcd, timeout=deadline)
+
+
 class NodeCluster:
     def __init__(self, config: Config, slots: dict[str, Slot]) -> None:
         assert config.cluster is not None
         self.config, self.c, self.slots = config, config.cluster, slots
-        self.etcd = Etcd(self.c.etcd, timeout=max(0.2, min(1.0, self.c.ttl / 4)))
+        self.etcd = make_store(self.c, os.environ)
         self.roles = EtcdRoles(self.etcd, self.c.name, router_id=f"node-{self.c.node}", node=self.c.node)
         self.prefix = cluster_prefix(self.c.name)
         self.view: ClusterView | None = None
