@@ -247,4 +247,5 @@ def join(router, etcd: Etcd, roles: EtcdRoles, *, directory: bool, ttl: int,
     roles.claims = Claims(switch=follower.switch, follow=follower.follow, gone=follower.gone)
     router.cluster = view = ClusterView(router, etcd, roles, directory=directory, ttl=ttl,
                                         stale_after=stale_after, url=url)
+    roles.fingerprint_of = lambda ident: (view.instances.get(ident) or {}).get("fingerprint")
     return view

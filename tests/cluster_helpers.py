@@ -89,6 +89,7 @@ class ClusterNode:
         self.config_path.write_text(text)
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        self.standbys = standbys
 
     @property
     def url(self) -> str:
@@ -287,19 +288,33 @@ def etcd_get(endpoints: list[str], key: str) -> dict | None:
 
 
 class Rig:
-    def __init__(self, model: Path, *, ttl: int = 2) -> None:
+    def __init__(self, model: Path, *, ttl: int = 2, standbys_b: int = 0, front: str = "tcp") -> None:
         self.procs = Procs()
         self.base = Path(tempfile.mkdtemp(prefix="fo-mn-", dir="/tmp"))
         self.etcd = EtcdCluster(3).start()
         eps = self.etcd.endpoints
-        self.nodes = {n: ClusterNode(self.procs, model, self.base, n, h, eps, ttl=ttl)
-                      for n, h in (("a", "127.0.0.2"), ("b", "127.0.0.3"))}
+        # b runs a standby beside its engine: a failed primary on b has a standby on its own node
+        # and one on a, and the routers must take a's (roles.EtcdRoles.rank)
+        self.nodes = {n: ClusterNode(self.procs, model, self.base, n, h, eps, ttl=ttl, standbys=sb)
+                      for n, h, sb in (("a", "127.0.0.2", 0), ("b", "127.0.0.3", standbys_b))}
         for node in self.nodes.values():  # one at a time: a is the first primary
             node.start().wait_serving()
         self.routers = [PeerRouter(self.procs, self.base, f"r{i}", eps, ttl=ttl).start() for i in (1, 2)]
-        self.front = Front([f"127.0.0.1:{r.port}" for r in self.routers]).start()
+        self.front = Front([f"127.0.0.1:{r.port}" for r in self.routers], mode=front).start()
         self.settle()
         self.expected = expected_texts(self.front.url)
+
+    @property
+    def slots(self) -> int:
+        return 2 + self.nodes["b"].standbys
+
+    def metric(self, router: PeerRouter, name: str) -> float:
+        """The sum of one counter's samples in a router's /metrics."""
+        import urllib.request
+
+        with urllib.request.urlopen(router.url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
     def primary(self) -> str:
         return etcd_get(self.etcd.endpoints, KEY)["value"]["instance"]
@@ -326,10 +341,11 @@ class Rig:
                 if svc is None or svc["primary"] != primary or not svc["ready"]:
                     return False
                 roles = sorted((i["role"], i["ready"]) for i in svc["instances"])
-                if roles != [("primary", True), ("standby", True)]:
+                if roles != [("primary", True)] + [("standby", True)] * (self.slots - 1):
                     return False
             return True
-        wait_until(ok, timeout, "the cluster to settle (one primary, one ready standby, both routers agree)")
+        wait_until(ok, timeout, "the cluster to settle (one primary, every other instance a ready standby, "
+                   "both routers agree)")
 
     def streaming(self, **kw) -> Streams:
         s = Streams(self.front.url, self.expected, **kw)

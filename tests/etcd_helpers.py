@@ -132,27 +132,46 @@ class EtcdCluster:
         self.stop()
 
 
-HAPROXY_TCP = """
+# What the front can and cannot do for a killed router (docs/cluster.md, "A router's kill"):
+# - observe layer4 + error-limit 1 + on-error mark-down: the first refused connection marks the dead
+#   router down, before its next check; fall 1 at inter 100 ms bounds the rest;
+# - retries 3 + "option redispatch 1": a refused connection is re-tried on another router at once
+#   (plain "option redispatch" only moves the last retry);
+# - no on-marked-down shutdown-sessions: a router marked down because it holds routing (etcd lost,
+#   /ready 503) keeps its running streams;
+# - TCP mode cannot move a running stream, nor a client's keep-alive connection spliced to the dead
+#   router. HTTP mode ends the clients' connections in HAProxy and re-sends a request that got no
+#   response byte (retry-on conn-failure empty-response): a stream whose router dies before its
+#   first event (the router sends its 200 only then) is re-issued on the other router; one that
+#   has sent bytes is still cut.
+HAPROXY_CFG = """
 global
     maxconn 2000
 defaults
-    mode tcp
+    mode {mode}
     timeout connect 1s
     timeout client 120s
     timeout server 120s
     retries 3
-    option redispatch
-listen front
+    option redispatch 1
+{http}listen front
     bind 127.0.0.1:{port}
     option httpchk GET /ready
 {servers}
 """
+HTTP_DEFAULTS = """    timeout http-request 10s
+    timeout http-keep-alive 60s
+    option http-buffer-request
+    retry-on conn-failure empty-response
+"""
 
 
 class Front:
-    """HAProxy in TCP mode in front of the routers, checking each one's /ready every ``inter_ms``."""
+    """HAProxy in front of the routers (``mode`` "tcp", or "http"), checking each one's /ready every
+    ``inter_ms``."""
 
-    def __init__(self, routers: list[str], *, inter_ms: int = 100) -> None:
+    def __init__(self, routers: list[str], *, inter_ms: int = 100, mode: str = "tcp") -> None:
+        assert mode in ("tcp", "http"), mode
         assert HAPROXY is not None, "haproxy is not installed (apt-get install haproxy)"
         self.port = free_port()
         self.inter_ms = inter_ms
@@ -160,7 +179,9 @@ class Front:
         servers = "\n".join(f"    server r{i} {hostport} check inter {inter_ms}ms fall 1 rise 2 "
                             f"observe layer4 error-limit 1 on-error mark-down"
                             for i, hostport in enumerate(routers))
-        (self.dir / "haproxy.cfg").write_text(HAPROXY_TCP.format(port=self.port, servers=servers))
+        self.mode = mode
+        (self.dir / "haproxy.cfg").write_text(HAPROXY_CFG.format(
+            mode=mode, port=self.port, servers=servers, http=HTTP_DEFAULTS if mode == "http" else ""))
         self.proc: subprocess.Popen | None = None
 
     @property

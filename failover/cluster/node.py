@@ -19,7 +19,6 @@ Ownership: it owns its etcd client (closed in ``close()``) and its lease (revoke
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import structlog
 
-from cache_daemon.fingerprint import model_identity
+from failover.cluster.fingerprint import fingerprint
 from failover.config.schema import ClusterConfig, Config
 from failover.procs.slots import Slot
 from failover_common.etcd import Etcd, EtcdError, EtcdUnavailable, LeaseLost
@@ -36,19 +35,6 @@ from router.cluster import ClusterView, join
 from router.roles import EtcdRoles, cluster_prefix, instance_id
 
 log = structlog.get_logger(__name__)
-
-
-def fingerprint(config: Config) -> dict:
-    """What the node's weights are, for the records (the daemon compares the full fingerprint)."""
-    m = config.model
-    try:
-        identity = model_identity(Path(m.path).resolve())
-    except (OSError, ValueError) as exc:  # the daemon reports the real error; the record says unknown
-        identity = f"unknown: {exc}"
-    doc = {"model": m.path, "identity": identity, "dtype": m.dtype, "tp": m.tp,
-           "transform": m.transform, "device": m.device}
-    doc["key"] = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:12]
-    return doc
 
 
 def make_store(c: ClusterConfig, env) -> Etcd | KubeStore:
@@ -78,7 +64,8 @@ class NodeCluster:
         self.registrations = 0
         self.published: dict[str, str] = {}  # key -> value last written under the current lease
         self.changed = asyncio.Event()
-        self.fingerprint = fingerprint(config)
+        m = config.model
+        self.fingerprint = fingerprint(m.path, dtype=m.dtype, tp=m.tp, transform=m.transform, device=m.device)
         self._task: asyncio.Task | None = None
         self._full_at = 0.0
 
