@@ -271,19 +271,23 @@ def etcd_get(endpoints: list[str], key: str) -> dict | None:
     import urllib.request
 
     body = json.dumps({"key": base64.b64encode(key.encode()).decode()}).encode()
-    for ep in endpoints:
-        try:
-            req = urllib.request.Request(ep + "/v3/kv/range", data=body, method="POST")
-            with urllib.request.urlopen(req, timeout=0.5) as r:  # a frozen member: the next one
-                doc = json.loads(r.read())
-        except OSError:
-            continue
-        kvs = doc.get("kvs") or []
-        if not kvs:
-            return None
-        kv = kvs[0]
-        return {"value": json.loads(base64.b64decode(kv["value"])), "mod_revision": int(kv["mod_revision"]),
-                "version": int(kv.get("version", 0))}
+    # short first (a frozen member: go on to the next), then patient (a loaded box: etcd is slow)
+    for timeout in (0.5, 3.0):
+        for ep in endpoints:
+            try:
+                req = urllib.request.Request(ep + "/v3/kv/range", data=body, method="POST")
+                with urllib.request.urlopen(req, timeout=timeout) as r:
+                    doc = json.loads(r.read())
+            except OSError:
+                continue
+            if "header" not in doc:  # an error answer (no leader just now): not "absent"
+                continue
+            kvs = doc.get("kvs") or []
+            if not kvs:
+                return None
+            kv = kvs[0]
+            return {"value": json.loads(base64.b64decode(kv["value"])), "mod_revision": int(kv["mod_revision"]),
+                    "version": int(kv.get("version", 0))}
     raise OSError("no etcd endpoint answered")
 
 
