@@ -25,7 +25,6 @@ from conftest import Procs
 from failover_common.ports import free_port
 from supervisor_helpers import http, wait_until
 
-pytestmark = pytest.mark.slow
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/failover/leases"
 PRIMARY = "failover-test-primary-chat"
 

@@ -107,3 +107,33 @@ async def test_bad_token_and_no_server_are_told_apart(api, tmp_path):
             await gone.get("/failover/x/primary/y")
     finally:
         await gone.close()
+
+
+async def test_the_lease_store_drops_keys_whose_heartbeat_expired_and_its_watch_says_so(api):
+    from failover_common.etcd import LeaseLost
+    from failover_common.k8s_store import KubeStore
+
+    _, leases = api
+    store = KubeStore(leases, poll=0.1)
+    lease = await store.grant(1)
+    await store.put("/failover/default/nodes/a", '{"node": "a"}', lease)
+    await store.put("/failover/default/primary/chat", '{"instance": "chat-0@a"}')  # no owner
+    kvs, _ = await store.range("/failover/default/", prefix=True)
+    assert sorted(kv.key for kv in kvs) == ["/failover/default/nodes/a", "/failover/default/primary/chat"]
+    assert next(kv for kv in kvs if kv.key.endswith("/a")).lease == lease
+    assert await store.keepalive(lease) == 1
+    watch = store.watch("/failover/default/", prefix=True)
+    seen = []
+    async with asyncio.timeout(5):
+        async for events in watch:  # nothing renews the heartbeat: its keys go after 1 s
+            seen += [(e.kind, e.kv.key) for e in events]
+            if seen:
+                break
+    await watch.aclose()
+    assert seen == [("delete", "/failover/default/nodes/a")]
+    with pytest.raises(LeaseLost):
+        await store.keepalive(lease)
+    with pytest.raises(LeaseLost):
+        await store.put("/failover/default/nodes/a", "{}", lease)
+    assert [kv.key for kv in (await store.range("/failover/default/", prefix=True))[0]] == \
+        ["/failover/default/primary/chat"]
