@@ -176,10 +176,16 @@ class ServiceConfig(_Base):
 
 
 class ClusterConfig(_Base):
-    """``[cluster]``: this node is one of several; roles are decided in etcd (docs/cluster.md)."""
+    """``[cluster]``: this node is one of several; roles are decided in etcd, or in Kubernetes
+    Lease objects (``backend = "k8s"``) where there is no etcd (docs/cluster.md)."""
 
-    etcd: list[str]  # endpoints, e.g. ["http://10.0.0.5:2379", "http://10.0.0.6:2379"]
     node: str  # this node's name in the cluster, unique
+    etcd: list[str] = []  # endpoints, e.g. ["http://10.0.0.5:2379", "http://10.0.0.6:2379"]
+    backend: str = "etcd"  # or "k8s": Lease objects through the Kubernetes API
+    namespace: str = ""  # k8s: the namespace of the Leases
+    api: str | None = None  # k8s: the API server (default in a pod: from KUBERNETES_SERVICE_HOST)
+    token_file: str | None = None  # k8s: bearer token (default in a pod: the service account's)
+    ca_file: str | None = None  # k8s: the API server's CA (default in a pod: the service account's)
     ttl: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 5  # lease TTL (s): a node silent this long is out
     name: str = "default"  # the cluster's name: its keys live under /failover/<name>/
     host: str = "127.0.0.1"  # the address this node's engines listen on and are reached at
@@ -256,8 +262,12 @@ def _check_cluster(c: ClusterConfig | None) -> list[str]:
     if c is None:
         return []
     problems = []
-    if not c.etcd:
+    if c.backend not in ("etcd", "k8s"):
+        problems.append(f"cluster.backend: {c.backend!r} is not one of \"etcd\", \"k8s\"")
+    elif c.backend == "etcd" and not c.etcd:
         problems.append("cluster.etcd: give at least one endpoint, e.g. [\"http://127.0.0.1:2379\"]")
+    elif c.backend == "k8s" and not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", c.namespace):
+        problems.append(f"cluster.namespace: {c.namespace!r}: with backend = \"k8s\" give the Leases' namespace")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", c.node):
         problems.append(f"cluster.node: {c.node!r} must be 1-63 letters, digits, '.', '_' or '-'")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", c.name):
