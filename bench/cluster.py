@@ -11,7 +11,8 @@ Per round, measured client-side from the fault (monotonic clock of this process)
 - node: kill -9 of the primary's whole node (supervisor, daemon, zygote, engine). Longest stall
   inside any stream spanning the kill, first chunk to any client after it; then the node restarts.
 - router: kill -9 of one router. Longest stall inside a stream; streams cut (those running through
-  the dead router: a TCP front cannot move them) and new requests failed, counted apart.
+  the dead router: a TCP front cannot move them; an HTTP front, ``--front http``, re-sends those
+  that had no response byte yet) and new requests failed, counted apart.
 - frozen: SIGSTOP of the primary's node. Time until etcd names another primary (the routers'
   probes), until the node's lease is gone (the TTL), client stall; after SIGCONT the node must never
   be primary again (its router follows etcd).
@@ -135,6 +136,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--ttl", type=int, default=2, help="lease TTL of nodes and routers (s)")
+    p.add_argument("--front", choices=("tcp", "http"), default="tcp",
+                   help="HAProxy mode in front of the routers (tests/etcd_helpers.py says what each can do)")
     p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: a generated tiny one)")
     a = p.parse_args()
     if ETCD is None or HAPROXY is None:
@@ -150,7 +153,7 @@ def main() -> int:
         scratch = Path(tempfile.mkdtemp(prefix="fo-bench-cluster-"))
         model = write_checkpoint(scratch, TinySpec(shards=1))
     try:
-        rig = Rig(model, ttl=a.ttl)
+        rig = Rig(model, ttl=a.ttl, front=a.front)
     except BaseException:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -171,7 +174,8 @@ def main() -> int:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
     inter = rig.front.inter_ms
-    print(f"\n{a.rounds} rounds each, TTL {a.ttl} s, front check every {inter} ms, client = openai SDK streams")
+    print(f"\n{a.rounds} rounds each, TTL {a.ttl} s, HAProxy {a.front} mode, check every {inter} ms, "
+          "client = openai SDK streams")
     print(f"node kill -9   : longest stall {fmt(node['stall'])}; first chunk after the kill "
           f"{fmt([x for x in node['first'] if x == x])}; {node['failed']} failed / {node['requests']} requests, "
           f"{node['mismatch']} streams differing from the greedy run; split brain {node['split']}")

@@ -3,6 +3,7 @@ from disk, and decode throughput against transformers' ``generate`` on the same 
 
     python3 bench/engine.py                      # CPU, a >= 1 GiB fp32 checkpoint
     python3 bench/engine.py --device cuda --size-gib 8 --dtype bfloat16
+    python3 bench/engine.py --device cuda --shape llama3-8b --tp 2 --skip-ready   # + tp=2 vs tp=1 decode
 
 Time-to-ready is measured from spawning ``failover engine`` to the first 200 from ``/ready`` (so it
 includes the interpreter and ``import torch``, which the supervisor's zygote removes); the engine's
@@ -56,6 +57,9 @@ def parse_args(argv):
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--skip-ready", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--tp", type=int, default=1, help="N > 1: also decode through a --tp N server against a "
+                   "--tp 1 one (bench/engine_tp.py; CUDA: one GPU per rank, CPU: gloo)")
+    p.add_argument("--tp-batches", default="1,32", help="batches of the --tp comparison")
     return p.parse_args(argv)
 
 
@@ -281,6 +285,10 @@ def main(argv=None) -> int:
             from engine_decode import bench_decode, print_decode
 
             print_decode(bench_decode(model, args), args)
+        if args.tp > 1:
+            from engine_tp import bench_tp_decode, print_tp_decode
+
+            print_tp_decode(bench_tp_decode(model, args, work), args)
     finally:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)

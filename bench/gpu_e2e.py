@@ -13,6 +13,7 @@ mapping (the writer dies, the resident bytes do not change). Prints one report o
 
     python3 bench/gpu_e2e.py --layers 32 --batch-items 0 --faults 20   # 20 kill -9s: p50/p99/max
     python3 bench/gpu_e2e.py --device cpu --faults 20                  # the same on the tiny model
+    python3 bench/gpu_e2e.py --tp 2 --layers 32 --batch-items 100      # tp=2 on two GPUs (bench/gpu_e2e_tp.py)
 
 The failover figures are the clients' (bench/gpu_e2e_faults.py, bench/client_figures.py), from each
 kill: p50/p99/max over ``--faults`` kills of the first token to any client, the worst in-flight
@@ -41,6 +42,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from attach import write_model  # noqa: E402
 from gpu_e2e_faults import failover_rounds, log_events  # noqa: E402
+import gpu_e2e_tp as tp_figures  # noqa: E402
 
 from failover_common.logs import configure_logging  # noqa: E402
 from failover.config.schema import parse_config  # noqa: E402
@@ -51,7 +53,7 @@ WRITER = r"""
 import sys, torch
 from cache_daemon.client import attach
 from cache_daemon.fingerprint import make_config
-w = attach(sys.argv[1], make_config(sys.argv[2], dtype=sys.argv[3], tp_size=1, tp_rank=0, device=sys.argv[4]))
+w = attach(sys.argv[1], make_config(sys.argv[2], dtype=sys.argv[3], tp_size=int(sys.argv[5]), tp_rank=0, device=sys.argv[4]))
 t = w.tensors["model.norm.weight"]
 before = float(t.float().sum())
 print("checksum", before, flush=True)
@@ -65,7 +67,7 @@ READER = r"""
 import sys
 from cache_daemon.client import attach
 from cache_daemon.fingerprint import make_config
-w = attach(sys.argv[1], make_config(sys.argv[2], dtype=sys.argv[3], tp_size=1, tp_rank=0, device=sys.argv[4]))
+w = attach(sys.argv[1], make_config(sys.argv[2], dtype=sys.argv[3], tp_size=int(sys.argv[5]), tp_rank=0, device=sys.argv[4]))
 print("checksum", float(w.tensors["model.norm.weight"].float().sum()), flush=True)
 """
 
@@ -112,7 +114,7 @@ def node_config(a, run: Path, model: Path, batch_in: Path | None):
                          "priority": 10, "port": free_port_pair(),
                          "batch": {"input": str(batch_in), "output": str(batch_in.with_suffix(".out.jsonl"))}})
     return parse_config({
-        "run_dir": str(run), "model": {"path": str(model), "dtype": a.dtype, "device": a.device, "tp": 1},
+        "run_dir": str(run), "model": {"path": str(model), "dtype": a.dtype, "device": a.device, "tp": a.tp},
         "router": {"port": rport, "probe_interval": 0.1, "probe_timeout": 0.25},
         # the bench's kills, spaced by --settle, are independent faults, not a crash loop: the window
         # is shorter than their spacing, so each replacement starts at once instead of backing off
@@ -135,6 +137,8 @@ async def measure(a, work: Path, model: Path, nbytes: int, report: dict) -> None
     config = node_config(a, work / "run", model, batch_in)
     node_log = work / "node.log"
     base_mib = gpu_used_mib()
+    base_per_gpu = tp_figures.gpu_used_per_gpu(nvsmi) if CUDA and a.tp > 1 else {}
+    report["tp"] = a.tp
     with open(node_log, "wb") as out:
         sup = Supervisor(config, child_output=out)
         t0 = time.monotonic()
@@ -152,11 +156,12 @@ async def measure(a, work: Path, model: Path, nbytes: int, report: dict) -> None
                 report[f"{s.name}_launch_to_ready_ms"] = round(1e3 * (s.ready_at - s.launched_at), 1)
             await asyncio.sleep(1.0)
             report["weights_gib"] = round(nbytes / 2**30, 2)
+            victim_ranks = tp_startup(a, sup, node_log, model, nbytes, base_per_gpu, report) if a.tp > 1 else []
             if not CUDA:  # each engine's resident memory (the mapped weights shared) and its KV pool
                 for s in chat:
                     report[f"{s.name}_rss_mib"] = round(rss_bytes(s.pid) / 2**20, 1)
                     report[f"{s.name}_kv_pool_mib"] = round((s.kv_bytes or 0) / 2**20, 2)
-            if CUDA:
+            if CUDA and a.tp == 1:
                 # Engines' own allocations (context, KV pool) are charged to their pids; the arenas
                 # belong to no live process (the loader that made them exited; the daemon holds fds),
                 # so whatever the node uses beyond the per-process sums is the resident weights.
@@ -180,11 +185,28 @@ async def measure(a, work: Path, model: Path, nbytes: int, report: dict) -> None
                     report["node_limit_gib"] = round(limit / 2**30, 2)
                     report["node_within_limit"] = int(used * 2**20 <= limit)
             await failover_rounds(sup, report, faults=a.faults, warmup=a.warmup, settle=a.settle, png=PNG)
+            if victim_ranks:
+                report["tp_first_victim_ranks_left"] = tp_figures.ranks_left(victim_ranks)
             if batch_in is not None:
+                batch_ranks = tp_figures.ranks_of(next(s.pid for s in sup.slots.values() if s.service == "offline"))
                 await preempt_round(sup, report, a)
+                if a.tp > 1:
+                    report["preempt_ranks"] = len(batch_ranks)
+                    report["preempt_ranks_left"] = tp_figures.ranks_left(batch_ranks)
             write_fault(sup, model, report)
         finally:
             await sup.stop()
+
+
+def tp_startup(a, sup, node_log: Path, model: Path, nbytes: int, base_per_gpu: dict, report: dict) -> list[int]:
+    """--tp N: per-rank load and attach, each instance's ranks, memory per GPU (or per rank on CPU);
+    returns the ranks of the primary, which the first crash round kills."""
+    tp_figures.rank_loads(node_log, report)
+    tp_figures.attach_per_rank(sup.config.run_path / "daemon.sock", model, a.dtype, a.device, a.tp, report)
+    ranks = tp_figures.instance_ranks(sup, "chat", report, rss_bytes)
+    if CUDA:
+        tp_figures.node_memory_per_gpu(nvsmi, base_per_gpu, sup, nbytes, a.tp, report)
+    return ranks.get(sup.router.services["chat"].routable().name, [])
 
 
 async def preempt_round(sup, report: dict, a) -> None:
@@ -215,7 +237,7 @@ async def preempt_round(sup, report: dict, a) -> None:
 def write_fault(sup, model: Path, report: dict) -> None:
     sock = str(sup.config.run_path / "daemon.sock")
     env = dict(os.environ, PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}")
-    args = [sock, str(model), sup.config.model.dtype, sup.config.model.device]
+    args = [sock, str(model), sup.config.model.dtype, sup.config.model.device, str(sup.config.model.tp)]
     w = subprocess.run([sys.executable, "-c", WRITER, *args], capture_output=True, text=True, env=env)
     r = subprocess.run([sys.executable, "-c", READER, *args], capture_output=True, text=True, env=env)
     before = [line for line in w.stdout.splitlines() if line.startswith("checksum")]
@@ -232,9 +254,11 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=48, help="48: ~21.4 GiB; 32: the 8B's 15 GiB")
     p.add_argument("--kv-memory", default="16GiB")
     p.add_argument("--batch-kv-memory", default="8GiB")
-    p.add_argument("--batch-items", type=int, default=400, help="0: no batch service")
+    p.add_argument("--batch-items", type=int, default=None, help="0: no batch service (default: 400; 60 on cpu)")
     p.add_argument("--batch-run", type=float, default=5.0, help="seconds of batch work before the preemption")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke test on the tiny model")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per instance (one GPU each; "
+                   "on CPU: gloo ranks, a plumbing check)")
     p.add_argument("--faults", type=int, default=1, help="kill -9s of the primary under load (20: p50/p99/max)")
     p.add_argument("--settle", type=float, default=None,
                    help="seconds of load between a round's ready standby and the next kill (2 on CUDA, 1 on CPU)")
@@ -249,10 +273,14 @@ def main() -> int:
     a.dtype = "bfloat16" if CUDA else "float32"
     if a.faults < 1:
         p.error("--faults must be at least 1")
+    if a.tp < 1:
+        p.error("--tp must be at least 1")
     a.settle = (2.0 if CUDA else 1.0) if a.settle is None else a.settle
     a.warmup = (12.0 if CUDA else 2.0) if a.warmup is None else a.warmup
     if not CUDA:
-        a.kv_memory, a.batch_kv_memory, a.batch_items = "32MiB", "32MiB", min(a.batch_items, 60)
+        a.kv_memory, a.batch_kv_memory = "32MiB", "32MiB"
+    if a.batch_items is None:  # given explicitly, it is kept (a tp=2 CPU run needs a batch that outlasts the kills)
+        a.batch_items = 60 if not CUDA else 400
     configure_logging("warning", process="gpu-e2e")
     import torch  # no CUDA context here: it would be charged to this process and skew the memory figures
 

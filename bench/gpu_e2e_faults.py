@@ -85,7 +85,8 @@ async def failover_rounds(sup, report: dict, *, faults: int, warmup: float, sett
             rec = sup.router.promoter.last_failover["chat"]
             routers.append(rec)
             print(f"  fault {i + 1:2d}: {rec['old']} -> {rec['new']} router's record: blackout={rec['blackout_ms']} ms "
-                  f"detect={rec['detect_ms']} ms (the clients' figures follow the last fault)", flush=True)
+                  f"detect={rec['detect_ms']} ms (the clients' figures follow the last fault) "
+                  f"killed_unix={time.time() - (time.monotonic() - killed):.3f}", flush=True)
         await asyncio.sleep(max(settle, 2.0))
         if routers:
             ready = sup.slots[victims[-1]].ready_at

@@ -50,7 +50,8 @@ def config_for(a: argparse.Namespace, workdir: Path, model: Path, launch: str):
         "run_dir": str(workdir / f"run-{launch}"),
         "model": {"path": str(model), "dtype": a.dtype, "device": a.device, "tp": a.tp},
         "router": {"port": router_port, "probe_interval": 0.2},
-        "supervisor": {"launch": launch, "log_level": "warning", "ready_timeout": 600.0,
+        # log level info: the engines' start phases (engine_built), printed per round
+        "supervisor": {"launch": launch, "log_level": "info", "ready_timeout": 600.0,
                        "crash_loop_exits": 1000, "crash_loop_window": 0.001},  # no backoff between rounds
         "service": [{"name": "chat", "standbys": 1, "kv_memory": a.kv_memory, "port": engine_port}],
     }, source=f"bench-{launch}")
@@ -71,6 +72,25 @@ async def graphs_live_ms(url: str, killed: float) -> float | None:
                 return (time.monotonic() - killed) * 1e3
             await asyncio.sleep(0.002)
     raise TimeoutError(f"{url}: CUDA graphs not live 120 s after the kill")
+
+
+def start_phases(node_log: Path, pid: int | None) -> str:
+    """The engine's own record of its start (engine_built, warmup_first_steps), by pid."""
+    import json
+
+    found = {}
+    for text in node_log.read_text(errors="replace").splitlines():
+        for event in ("engine_built", "warmup_first_steps", "kv_cache_allocated", "listening"):
+            if f'"{event}"' in text and "{" in text:
+                try:
+                    e = json.loads(text[text.index("{"):])
+                except ValueError:
+                    continue
+                if event != "listening" or e.get("pid") == pid:
+                    found[event] = e
+    keep = ("context_ms", "weights_ms", "model_kv_ms", "model_ms", "kv_ms", "buffers_ms", "warmup_ms", "total_ms",
+            "prefill_ms", "decode_ms")
+    return " ".join(f"{k}={v}" for e in found.values() for k, v in e.items() if k in keep) or "-"
 
 
 async def bench_path(a: argparse.Namespace, workdir: Path, model: Path, launch: str) -> list[dict]:
@@ -101,11 +121,13 @@ async def bench_path(a: argparse.Namespace, workdir: Path, model: Path, launch: 
                  "launch_to_ready_ms": (slot.ready_at - slot.launched_at) * 1e3,
                  "weights_source": slot.ready_info.get("weights_source"),
                  "weights_ms": 1e3 * float(slot.ready_info.get("weights_seconds") or 0.0)}
+            r["phases"] = start_phases(workdir / f"node-{launch}.log", slot.pid)
             rounds.append(r)
             print(f"[{launch}] round {i + 1}: relaunch_ms={r['relaunch_ms']:.1f} (exit seen "
                   f"{r['exit_seen_ms']:.1f} ms, launch->ready {r['launch_to_ready_ms']:.1f} ms, weights "
                   f"{r['weights_source']} in {r['weights_ms']:.1f} ms; CUDA graphs live "
-                  f"{'-' if graphs_ms is None else f'{graphs_ms:.1f} ms'} after the kill)", flush=True)
+                  f"{'-' if graphs_ms is None else f'{graphs_ms:.1f} ms'} after the kill)\n    its start: "
+                  f"{r['phases']}", flush=True)
     finally:
         await sup.stop()
         log.close()
@@ -149,6 +171,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--pause", type=float, default=0.5, help="seconds between rounds")
     p.add_argument("--paths", default="zygote,spawn", help="launch paths to compare")
+    p.add_argument("--save-log", type=Path, default=None, help="copy each path's node log into this dir")
     a = p.parse_args()
     configure_logging("error", process="bench")
     print(f"command: {' '.join([sys.executable, *sys.argv])}")
@@ -159,6 +182,10 @@ def main() -> int:
     try:
         return asyncio.run(main_async(a, workdir))
     finally:
+        if a.save_log is not None:
+            a.save_log.mkdir(parents=True, exist_ok=True)
+            for f in workdir.glob("node-*.log"):
+                shutil.copyfile(f, a.save_log / f.name)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

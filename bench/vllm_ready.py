@@ -1,23 +1,27 @@
-"""vLLM as failover runs it (engine = "vllm"): time to ready and memory per instance, printed.
+"""vLLM as failover runs it (engine = "vllm"): time to ready and weight memory per instance, with
+the weights from failover's cache daemon (``weights = "cache"``, ``--load-format failover``) and from
+disk (``weights = "disk"``, vLLM's own loader), printed side by side.
 
-Starts ``--instances`` vLLM OpenAI servers one after the other on a generated checkpoint (the shape of
-``failover tiny-model`` with the dims given), each as failover's supervisor starts it, and prints per
-instance: launch -> /health 200, and the memory of its whole process tree from
-/proc/PID/smaps_rollup (RSS, PSS, private and shared bytes) next to the checkpoint's size. Today every
-vLLM instance loads its own weights from disk: the weights appear once per instance in ``private``.
-(Weights from failover's cache daemon, shared between instances, are not built for vLLM: docs/vllm.md.)
+Generates a checkpoint (the shape of ``failover tiny-model`` with the dims given). For ``cache`` it
+starts the cache daemon with ``--engine vllm`` (its loader child runs vLLM's own loading once and
+packs the result) and prints that pack time; then, per mode, starts ``--instances`` vLLM OpenAI
+servers one after the other (the earlier ones stay up) and prints per instance: launch -> /health
+200, vLLM's own "model loading" seconds, the memory of its whole process tree from /proc/PID/smaps
+(RSS, PSS, private, shared) and of the daemon's arena inside it (RSS vs PSS: shared pages count
+1/N in PSS), plus what the model loader copied (buffers) and repacked (``--cpu-gemm prepack``).
 
-    python bench/vllm_ready.py [--hidden 1024 --layers 8 --instances 2] [--device cpu]
+    python bench/vllm_ready.py [--hidden 1024 --layers 8 --instances 2] [--weights both] [--device cpu]
 
 Runs where ``import vllm`` works (docs/vllm.md, "Tests"). ``--device cuda`` runs the same on a GPU
-(adds ``--gpu-memory-utilization``); it has not been run (vLLM for CUDA does not install on the GPU
-machine this project has: FACTS.md).
+(the daemon packs into CUDA VMM arenas; memory per process from nvidia-smi); it has NOT been run:
+vLLM for CUDA does not install on the GPU machine this project has (FACTS.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import signal
@@ -28,8 +32,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # noqa: E402
 
+from failover.procs.smaps import tree_memory as arena_memory  # noqa: E402
 from failover.procs.tree import group_members, is_tracker, mapped_shm, remove_shm  # noqa: E402
 from failover.tools.tiny_model import TinySpec, write_checkpoint  # noqa: E402
 from failover_common.ports import free_port  # noqa: E402
@@ -52,14 +57,20 @@ def tree_memory(pgid: int) -> dict[str, int]:
     return total
 
 
-def start(model: Path, port: int, args, log) -> subprocess.Popen:
+FLAGS = ["--max-model-len", "512", "--enforce-eager"]
+REPO = str(Path(__file__).resolve().parent.parent)
+# children import the plugin (failover_vllm) and the daemon from this checkout
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+
+
+def start(model: Path, port: int, args, log, extra: list[str]) -> subprocess.Popen:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench", "--dtype", args.dtype,
-            "--max-model-len", "512", "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager"]
+            "--kv-cache-memory-bytes", str(256 << 20), *FLAGS, *extra]
     if args.device == "cuda":
         argv += ["--gpu-memory-utilization", "0.3"]
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, env=ENV)
 
 
 def wait_health(port: int, proc: subprocess.Popen, timeout: float) -> float:
@@ -94,6 +105,75 @@ def stop(proc: subprocess.Popen) -> None:
     remove_shm(shm)
 
 
+def start_daemon(model: Path, run_dir: Path, args, log) -> tuple[subprocess.Popen, float]:
+    """The cache daemon with vLLM's layout; returns it and the seconds to its ready file."""
+    argv = [sys.executable, "-m", "cache_daemon", "--model", str(model), "--run-dir", str(run_dir),
+            "--engine", "vllm", "--device", args.device, "--dtype", args.dtype, "--progress", "off",
+            *(f"--engine-arg={f}" for f in FLAGS)]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True, env=ENV)
+    while not (run_dir / "daemon.ready").exists():
+        if proc.poll() is not None or time.monotonic() - t0 > args.timeout:
+            raise SystemExit(f"the cache daemon did not get ready (exit {proc.returncode}); see {log.name}")
+        time.sleep(0.1)
+    return proc, time.monotonic() - t0
+
+
+def gpu_memory(pids) -> int:
+    """Device bytes used by ``pids`` (nvidia-smi; the daemon's arena is counted in none of them)."""
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30).stdout
+    used = {int(p): int(m) << 20 for p, m in (line.split(",") for line in out.strip().splitlines() if line)}
+    return sum(used.get(pid, 0) for pid in pids)
+
+
+def loading_seconds(log_path: Path) -> str:
+    """vLLM's own "Loading weights took N seconds" (its disk loader; on GPUs "Model loading took")."""
+    for line in log_path.read_text(errors="replace").splitlines():
+        for key in ("Model loading took", "Loading weights took"):
+            if key in line:
+                return line.split(key, 1)[1].strip()
+    return "-"
+
+
+def run_mode(mode: str, model: Path, d: Path, args, sock: Path | None, weights: int) -> None:
+    procs = []
+    try:
+        for i in range(args.instances):
+            port, log_path = free_port(), d / f"vllm-{mode}-{i}.log"
+            report = d / f"{mode}-{i}.weights.json"
+            extra = [] if mode == "disk" else [
+                "--load-format", "failover", "--model-loader-extra-config",
+                json.dumps({"socket": str(sock), "report": str(report), "cpu_gemm": args.cpu_gemm})]
+            with open(log_path, "wb") as log:
+                proc = start(model, port, args, log, extra)
+            procs.append(proc)
+            ready = wait_health(port, proc, args.timeout)
+            time.sleep(1.0)  # settle
+            pids = group_members(proc.pid)
+            mem = tree_memory(proc.pid)
+            arena = arena_memory(pids)["arena"]
+            line = (f"{mode:5s} instance {i}: launch -> /health {ready:.1f} s (vLLM's loader: "
+                    f"{loading_seconds(log_path)}); tree ({len(pids)} processes) rss {mem['rss'] / 2**20:.0f} MiB, "
+                    f"pss {mem['pss'] / 2**20:.0f} MiB, private {mem['private'] / 2**20:.0f} MiB, "
+                    f"shared {mem['shared'] / 2**20:.0f} MiB")
+            if args.device == "cuda":
+                line += f"; GPU memory of the tree {gpu_memory(pids) / 2**20:.0f} MiB"
+            if mode == "disk":
+                line += f"; weights: a private copy of {weights / 2**20:.1f} MiB (0 shared)"
+            else:
+                info = json.loads(report.read_text())
+                line += (f"; arena in this tree: rss {arena['Rss'] / 2**20:.1f} MiB, pss {arena['Pss'] / 2**20:.1f} MiB, "
+                         f"private {(arena['Private_Clean'] + arena['Private_Dirty']) / 2**20:.1f} MiB; loader: "
+                         f"shared {info['shared_bytes'] / 2**20:.1f} MiB, copied {info['copied_bytes'] / 2**20:.2f} MiB, "
+                         f"repacked {info['repacked_bytes'] / 2**20:.1f} MiB, mapped and built in {info['seconds']:.3f} s")
+            print(line, flush=True)
+    finally:
+        for proc in procs:
+            stop(proc)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=1024)
@@ -102,6 +182,9 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--weights", choices=("both", "cache", "disk"), default="both")
+    p.add_argument("--cpu-gemm", choices=("shared", "prepack"), default="shared",
+                   help="cache on CPU: arena weights as they are (shared) or vLLM's oneDNN pre-pack (a private copy)")
     args = p.parse_args()
     print(f"# bench/vllm_ready.py {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"{platform.node()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, device {args.device}")
@@ -111,25 +194,23 @@ def main() -> None:
         model = write_checkpoint(Path(d) / "model", spec)
         weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         print(f"checkpoint: {weights / 2**20:.1f} MiB safetensors (hidden {args.hidden}, {args.layers} layers)")
-        procs = []
+        modes = ["cache", "disk"] if args.weights == "both" else [args.weights]
+        daemon, sock = None, None
         try:
-            for i in range(args.instances):
-                port = free_port()
-                log = open(Path(d) / f"vllm-{i}.log", "wb")
-                t0 = time.monotonic()
-                proc = start(model, port, args, log)
-                procs.append(proc)
-                ready = wait_health(port, proc, args.timeout)
-                time.sleep(1.0)  # settle
-                mem = tree_memory(proc.pid)
-                print(f"instance {i}: weights from disk, launch -> /health {ready:.1f} s; tree "
-                      f"({len(group_members(proc.pid))} processes) rss {mem['rss'] / 2**20:.0f} MiB, "
-                      f"pss {mem['pss'] / 2**20:.0f} MiB, private {mem['private'] / 2**20:.0f} MiB, "
-                      f"shared {mem['shared'] / 2**20:.0f} MiB; weight bytes shared with other instances: 0 "
-                      f"(private copy of {weights / 2**20:.1f} MiB)  [{time.monotonic() - t0:.1f} s]")
+            if "cache" in modes:
+                run_dir = Path(d) / "run"
+                run_dir.mkdir(mode=0o700)
+                with open(Path(d) / "daemon.log", "wb") as log:
+                    daemon, seconds = start_daemon(model, run_dir, args, log)
+                sock = run_dir / "daemon.sock"
+                print(f"cache daemon: vLLM's own loading packed into an arena in {seconds:.1f} s (once per node, "
+                      "before any instance; includes the interpreter's and vLLM's imports)", flush=True)
+            for mode in modes:
+                run_mode(mode, model, Path(d), args, sock, weights)
         finally:
-            for proc in procs:
-                stop(proc)
+            if daemon is not None:
+                daemon.terminate()
+                daemon.wait(30)
 
 
 if __name__ == "__main__":

@@ -51,20 +51,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--progress", default="auto", choices=["auto", "bar", "events", "off"],
                    help="the load's progress: a bar on stderr (bar), load_progress log events (events), "
                         "none (off); auto: a bar on a terminal, events otherwise")
+    p.add_argument("--engine", choices=["failover", "vllm"], default="failover",
+                   help="whose layout to pack: failover (the bundled engine) or vllm (vLLM's own loading, "
+                        "mapped by `--load-format failover`; docs/vllm.md)")
+    p.add_argument("--engine-python", default="", help="vllm: the interpreter that has vllm installed")
+    p.add_argument("--engine-arg", action="append", default=[],
+                   help="vllm: one of vLLM's engine flags that decide the weights (repeatable, e.g. "
+                        "--engine-arg=--quantization=fp8)")
     return p.parse_args(argv)
 
 
 def build_settings(a: argparse.Namespace) -> DaemonSettings:
     """Validate the checkpoint for this tp size and resolve ``--dtype auto``."""
     ckpt = open_checkpoint(a.model)
-    validate(ckpt, a.tp)
-    dtype = resolve_dtype(a.dtype, ckpt.config)
+    if a.engine == "failover":  # vLLM checks its own architectures when it loads (failover_vllm.pack)
+        validate(ckpt, a.tp)
+    # vLLM resolves "auto" itself (failover_vllm.pack, as its instances do): the fingerprint has the result
+    dtype = a.dtype if a.engine == "vllm" else resolve_dtype(a.dtype, ckpt.config)
     # absolute(), not resolve(): a run dir that is a symlink is refused (owned.py), never followed
     return DaemonSettings(model=ckpt.path, dtype=dtype, tp=a.tp, device=a.device, transform=a.transform,
                           run_dir=a.run_dir.absolute(), force=a.force, client_timeout=a.client_timeout,
                           frame_timeout=a.frame_timeout, max_buffered=a.max_buffered_mib << 20,
                           allow_uids=frozenset(a.allow_uid), chunk_bytes=a.chunk_mib << 20,
-                          die_with_parent=a.die_with_parent, log_level=a.log_level, progress=a.progress)
+                          die_with_parent=a.die_with_parent, log_level=a.log_level, progress=a.progress,
+                          engine=a.engine, engine_python=a.engine_python, engine_args=tuple(a.engine_arg))
 
 
 def main(argv: list[str]) -> int:

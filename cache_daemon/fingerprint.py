@@ -38,13 +38,23 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str  # "cpu" | "cuda"
     device_capability: str  # "9.0" on an H200, "" on cpu
     torch_version: str
+    # Which engine's layout the arena holds: "failover" (the reference engine's tensors, named as in
+    # the checkpoint) or "vllm" (vLLM's parameters after its own loading: failover_vllm). For vLLM,
+    # engine_version is vLLM's version and engine_config the (key, value) pairs of its model,
+    # parallel and quantization config that decide the bytes (failover_vllm.fingerprint).
+    engine: str = "failover"
+    engine_version: str = ""
+    engine_config: tuple[tuple[str, str], ...] = ()
 
     def diff(self, other: CacheConfig) -> list[str]:
-        """One line per differing field: ``field: <this> != <other>``."""
+        """One line per differing field: ``field: <this> != <other>`` (``engine_config.key`` for the
+        engine's own settings, one line each)."""
         lines = []
         for name in self.__struct_fields__:
             mine, theirs = getattr(self, name), getattr(other, name)
-            if mine != theirs:
+            if name == "engine_config":
+                lines += _pairs_diff(dict(mine), dict(theirs))
+            elif mine != theirs:
                 lines.append(f"{name}: {mine!r} != {theirs!r}")
         return lines
 
@@ -56,6 +66,11 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     def describe(self) -> str:
         return (f"{self.model_path} rank {self.tp_rank}/{self.tp_size} {self.dtype} "
                 f"transform={self.transform} device={self.device}")
+
+
+def _pairs_diff(mine: dict, theirs: dict) -> list[str]:
+    return [f"engine_config.{k}: {mine.get(k, '<unset>')!r} != {theirs.get(k, '<unset>')!r}"
+            for k in sorted(mine.keys() | theirs.keys()) if mine.get(k) != theirs.get(k)]
 
 
 def dtype_name(dtype) -> str:

@@ -31,8 +31,9 @@ log = structlog.get_logger(__name__)
 PROGRESS_EVERY_S = 0.25  # LoadProgress frames to the daemon (which draws or logs them)
 
 
-class _Arena:
-    """The loader's view of one arena, CPU or CUDA: write tensors, then hand over fds."""
+class ArenaWriter:
+    """The loader's view of one arena, CPU or CUDA: write tensors, then hand over fds (also used by
+    failover_vllm.pack, the loader child for vLLM's layout)."""
 
     def __init__(self, size: int, device: str, device_index: int, chunk_bytes: int, label: str) -> None:
         self.kind, self.device_index = device, device_index
@@ -117,7 +118,7 @@ def load_rank(ckpt, args, rank: int, chan: socket.socket, progress: Progress) ->
     specs, aliases = rank_specs(ckpt, **kw)
     entries, size = plan(specs)
     log.info("rank_load_started", rank=rank, tensors=len(entries), bytes=size, device=device)
-    arena = _Arena(size, args.device, device_index, args.chunk_bytes, f"{config.key}-r{rank}")
+    arena = ArenaWriter(size, args.device, device_index, args.chunk_bytes, f"{config.key}-r{rank}")
     try:
         t0 = time.perf_counter()
         for (name, tensor), entry in zip(iter_rank_tensors(ckpt, **kw), entries, strict=True):
@@ -125,20 +126,24 @@ def load_rank(ckpt, args, rank: int, chan: socket.socket, progress: Progress) ->
             arena.write(entry.offset, tensor)
             progress.add(entry.nbytes)
         progress.add(size - sum(e.nbytes for e in entries), force=True)  # alignment padding: the rank is whole
-        fds = arena.finish()
-        manifest = Manifest(tuple(entries), aliases, (arena.spec,))
-        try:
-            framing.send_frame(chan, Register(config, manifest, len(fds)), fds)
-        finally:
-            framing.close_fds(fds)
-        reply, _ = framing.recv_frame(chan)
-        if not isinstance(reply, Registered):
-            raise ProtocolError(f"daemon answered the registration with {reply!r}", "unexpected")
+        register(chan, config, Manifest(tuple(entries), aliases, (arena.spec,)), arena)
         dt = time.perf_counter() - t0
         log.info("rank_loaded", rank=rank, bytes=size, seconds=round(dt, 3), gbps=round(size / dt / 1e9, 2),
                  chunks=len(arena.chunks))
     finally:
         arena.close()
+
+
+def register(chan: socket.socket, config, manifest: Manifest, arena: ArenaWriter) -> None:
+    """Hand the filled ``arena`` to the daemon as ``config``'s rank, and wait for its acknowledgement."""
+    fds = arena.finish()
+    try:
+        framing.send_frame(chan, Register(config, manifest, len(fds)), fds)
+    finally:
+        framing.close_fds(fds)
+    reply, _ = framing.recv_frame(chan)
+    if not isinstance(reply, Registered):
+        raise ProtocolError(f"daemon answered the registration with {reply!r}", "unexpected")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

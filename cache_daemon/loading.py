@@ -26,10 +26,13 @@ STOP_TIMEOUT_S = 5.0
 
 
 def loader_cmd(s: DaemonSettings, channel_fd: int) -> list[str]:
-    return [sys.executable, "-m", "cache_daemon.loader", "--model", str(s.model), "--dtype", s.dtype,
-            "--tp", str(s.tp), "--device", s.device, "--transform", s.transform,
-            "--chunk-bytes", str(s.chunk_bytes), "--channel-fd", str(channel_fd),
-            "--parent-pid", str(os.getpid()), "--log-level", s.log_level]
+    common = ["--model", str(s.model), "--dtype", s.dtype, "--tp", str(s.tp), "--device", s.device,
+              "--chunk-bytes", str(s.chunk_bytes), "--channel-fd", str(channel_fd),
+              "--parent-pid", str(os.getpid()), "--log-level", s.log_level]
+    if s.engine == "vllm":  # vLLM's own loading, in the interpreter that has vllm (docs/vllm.md)
+        return [s.engine_python or sys.executable, "-m", "failover_vllm.pack", *common,
+                *(f"--engine-arg={arg}" for arg in s.engine_args)]
+    return [sys.executable, "-m", "cache_daemon.loader", *common, "--transform", s.transform]
 
 
 async def run_loader(s: DaemonSettings, registry: Registry,

@@ -33,10 +33,20 @@ class DaemonSettings:
     die_with_parent: bool = False
     log_level: str = "info"
     progress: str = "auto"  # the load's progress: bar (a terminal), events (structlog), off, auto
+    # "failover": the reference engine's layout (cache_daemon.loader); "vllm": vLLM's own loading,
+    # run by failover_vllm.pack under engine_python with engine_args (vLLM's flags that decide the bytes)
+    engine: str = "failover"
+    engine_python: str = ""  # the interpreter that has vllm (default: the daemon's own)
+    engine_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.progress not in ("auto", "bar", "events", "off"):
             raise ValueError(f"--progress must be auto, bar, events or off, not {self.progress!r}")
+        if self.engine not in ("failover", "vllm"):
+            raise ValueError(f"--engine must be failover or vllm, not {self.engine!r}")
+        if self.engine == "vllm" and self.transform != "none":
+            raise ValueError("--transform is the reference engine's; vLLM quantizes by its own flags "
+                             "(--engine-arg=--quantization=...)")
         if self.tp < 1:
             raise ValueError(f"--tp must be at least 1, not {self.tp}")
         if self.device not in ("cpu", "cuda"):

@@ -13,6 +13,7 @@ import asyncio
 import contextvars
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 import structlog
@@ -23,6 +24,7 @@ from engine import inbox
 from engine.sequence import Sequence
 
 log = structlog.get_logger(__name__)
+RESIZE_QUIET_S = 0.05  # an idle engine applies a pool resize after this long without work
 
 
 class EngineDead(RuntimeError):
@@ -50,6 +52,7 @@ class AsyncEngine:
         self.graphs_total = 0  # buckets that will get one (0: eager decode only)
         self.error: BaseException | None = None
         self.kv_usage: KVUsage | None = None  # the engine thread's latest snapshot, for the probes
+        self._resizes: list[tuple[int, asyncio.Future, float]] = []  # engine thread: (budget, done, asked at)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -128,17 +131,24 @@ class AsyncEngine:
                     if not self.engine.has_work():
                         continue
                 if not self.engine.has_work():
-                    self._wake.wait(0.5)
+                    quiet = RESIZE_QUIET_S - (time.monotonic() - self._resizes[0][2]) if self._resizes else None
+                    if quiet is not None and quiet <= 0:
+                        self._apply_resizes()
+                        continue
+                    self._wake.wait(0.5 if quiet is None else quiet)
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()
                 self._loop.call_soon_threadsafe(self._deliver, outputs)
                 self._report()
+                self._apply_resizes()
         except BaseException as e:  # noqa: BLE001 - any failure ends the engine; report, then exit
             log.exception("engine_step_failed")
             self.error = e
             self._loop.call_soon_threadsafe(self._fail_all, e)
             return
+        for _, done, _ in self._resizes:  # asked for while stopping: never applied
+            self._loop.call_soon_threadsafe(_settle, done, None, EngineDead("the engine is stopping"))
         try:
             self.engine.runner.run(StepPlan("stop"))
         except RuntimeError as e:  # a rank already gone: the process stop ends the others
@@ -173,12 +183,20 @@ class AsyncEngine:
         self.engine.abort(seq_id)
 
     def resize(self, budget: int, done: asyncio.Future) -> None:
-        try:
-            result, error = self.engine.resize_kv(budget), None
-        except RuntimeError as e:  # out of memory: the pool stays as it was
-            result, error = None, e
-        self._report()  # metrics show the new pool by the time the caller hears back
-        self._loop.call_soon_threadsafe(_settle, done, result, error)
+        # applied after the next step, or after RESIZE_QUIET_S without work: a promoted standby is
+        # asked to grow as the streams it takes over arrive, and the growth (GiBs of KV, 40-110 ms
+        # on an H200 while the dead primary's memory is being torn down) must not come first
+        self._resizes.append((budget, done, time.monotonic()))
+
+    def _apply_resizes(self) -> None:
+        while self._resizes:
+            budget, done, _ = self._resizes.pop(0)
+            try:
+                result, error = self.engine.resize_kv(budget), None
+            except RuntimeError as e:  # out of memory: the pool stays as it was
+                result, error = None, e
+            self._report()  # metrics show the new pool by the time the caller hears back
+            self._loop.call_soon_threadsafe(_settle, done, result, error)
 
     # --- event loop ----------------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -108,6 +108,14 @@ def make_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def preload(device: str) -> None:
+    """What a zygote can do for its engines before it forks (no CUDA context, no thread)."""
+    if device == "cuda":
+        from engine import fused
+
+        fused.preload()
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:

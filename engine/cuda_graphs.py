@@ -51,6 +51,9 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pending = list(reversed(self.buckets)) if capture else []
         self.pool = None
+        # one side stream for every bucket's warm-up and capture: cuBLAS keeps a workspace per stream
+        # (32 MiB on Hopper), so a new stream per bucket cost ~0.2 GiB per engine
+        self.stream: torch.cuda.Stream | None = None
         self.capture_seconds = 0.0
 
     @property
@@ -108,7 +111,9 @@ class DecodeGraphs:
         self.host_np[:4] = 0
         self.host_np[2] = -1
         self.dev[:4].copy_(self.host[:4], non_blocking=True)
-        side = torch.cuda.Stream(self.device)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        side = self.stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self._forward(bucket)  # warm-up outside the capture (cuBLAS handles, Triton binaries)
@@ -117,7 +122,7 @@ class DecodeGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=side):
                 logits, greedy = self._forward(bucket)
         except RuntimeError as e:  # e.g. out of memory: serve eagerly from here on, not crash
             log.warning("decode_graph_failed", bucket=bucket, error=str(e))
@@ -128,5 +133,8 @@ class DecodeGraphs:
         self.capture_seconds += took
         log.info("decode_graph_captured", bucket=bucket, ms=round(took * 1e3, 1), left=len(self.pending))
         if self.live:
+            # the warm-ups' activations sit in the allocator's cache: hand them back to the device
+            # (a standby would hold them unused; the graphs' own pool stays)
+            torch.cuda.empty_cache()
             log.info("cuda_graphs_live", buckets=list(self.buckets), seconds=round(self.capture_seconds, 3))
         return bool(self.pending)

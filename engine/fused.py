@@ -20,6 +20,33 @@ def available(device: torch.device) -> bool:
     return tk is not None and device.type == "cuda"
 
 
+def preload() -> None:
+    """The CUDA-free part of Triton's first launch, for a zygote to pay once before it forks: the
+    hash of Triton's own install (``triton_key``: it reads all of libtriton, ~0.5 GB, in every new
+    process), the ptxas version checks (a subprocess each) and each kernel's source hash. Touches no
+    CUDA (no driver, no device query), so the forks stay clean; what it caches they inherit."""
+    if tk is None:
+        return
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # Triton < 3.3 kept it in the compiler
+        from triton.compiler.compiler import triton_key
+    triton_key()
+    try:
+        from triton import knobs
+
+        for tool in ("ptxas", "ptxas_blackwell"):
+            getattr(knobs.nvidia, tool, None)  # resolved once: NvidiaTool.from_path runs `ptxas --version`
+        from triton.backends.nvidia.compiler import get_ptxas_version
+        for arch in (80, 90, 100):
+            get_ptxas_version(arch)
+    except (ImportError, AttributeError, TypeError, RuntimeError, OSError):
+        pass  # another Triton layout: the first launch pays for these instead
+    for kernel in (tk.store_kv_kernel, tk.paged_decode_kernel, tk.rms_norm_kernel, tk.silu_mul_kernel,
+                   tk.rope_kernel):
+        kernel.cache_key  # noqa: B018 - a property that hashes the kernel's source and dependencies
+
+
 def _pow2(n: int, floor: int = 1) -> int:
     return max(floor, 1 << (max(n, 1) - 1).bit_length())
 
@@ -95,9 +122,36 @@ def store_kv(kv, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
                              BLOCK=min(1024, _pow2(hd)))
 
 
+DECODE_SPLIT = 64  # positions per program of the split decode (one BLOCK_N tile for head_dim <= 128)
+
+
 def paged_decode(kv, layer: int, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """q [B, H, D] (one token per row) attends to each row's ``lens[b]`` positions, read in place
-    through ``tables`` [width, >= B] (block ids, column b = row b) -> [B, H, D]."""
+    through ``tables`` [width, >= B] (block ids, column b = row b) -> [B, H, D].
+
+    Split along the context (``DECODE_SPLIT`` positions per program, as many spans as ``tables``
+    can address, so a CUDA graph's launch covers any length), then the spans merged: one program per
+    (row, kv head) left a batch of one row with 8 programs on a GPU of 132 SMs."""
+    b, h, d = q.shape
+    group = h // kv.kv_heads
+    out = torch.empty_like(q)
+    nsplit = -(-tables.shape[0] * kv.block_size // DECODE_SPLIT)
+    part = torch.empty((b, h, nsplit, d), dtype=torch.float32, device=q.device)
+    ml = torch.empty((b, h, nsplit, 2), dtype=torch.float32, device=q.device)
+    tk.paged_decode_split_kernel[(b, kv.kv_heads, nsplit)](
+        q, part, ml, kv.anchor, kv.offsets, tables, lens, layer, d ** -0.5,
+        q.stride(0), q.stride(1), tables.stride(0), tables.stride(1), kv.offsets.stride(0), kv.offsets.stride(1),
+        H=h, H_KV=kv.kv_heads, GROUP=group, D=d, BS=kv.block_size, NSPLIT=nsplit, SPLIT=DECODE_SPLIT,
+        BLOCK_H=_pow2(group, 16), BLOCK_D=_pow2(d, 16), BLOCK_N=64 if d <= 128 else 32,
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+    tk.paged_decode_combine_kernel[(b, h)](part, ml, lens, out, out.stride(0), out.stride(1), H=h, D=d,
+                                           NSPLIT=nsplit, SPLIT=DECODE_SPLIT, BLOCK_S=_pow2(nsplit),
+                                           BLOCK_D=_pow2(d, 16), num_warps=4)
+    return out
+
+
+def paged_decode_unsplit(kv, layer: int, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The one-program-per-(row, kv head) kernel ``paged_decode`` replaced (kept for comparison)."""
     b, h, d = q.shape
     group = h // kv.kv_heads
     out = torch.empty_like(q)

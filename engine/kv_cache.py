@@ -131,10 +131,11 @@ class KVPool:
 
     def resize(self, chunks: tuple[int, ...]) -> None:
         """Make the chunk list ``chunks`` (from ``plan_resize``; every rank applies the same one):
-        chunks that stay are kept in place, the others dropped, new ones appended zeroed (garbage in a
-        block would reach attention through a masked NaN). A grow drops nothing and allocates before
-        appending, so an out-of-memory error leaves the pool as it was; a shrink frees before it
-        allocates its (smaller) replacement chunk, so it never needs more memory than it had."""
+        chunks that stay are kept in place, the others dropped, new ones appended (zeroed on the gather
+        path, where garbage in a block would reach attention through a masked NaN). A grow drops
+        nothing and allocates before appending, so an out-of-memory error leaves the pool as it was;
+        a shrink frees before it allocates its (smaller) replacement chunk, so it never needs more
+        memory than it had."""
         keep = 0
         while keep < min(len(chunks), len(self.chunks)) and chunks[keep] == self.chunks[keep].shape[2]:
             keep += 1
@@ -143,8 +144,10 @@ class KVPool:
         if dropped and self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the memory back to the driver, not just to torch's cache
         shape = (2, self.layers, 0, self.block_size, self.kv_heads, self.head_dim)
-        new = [torch.zeros(shape[:2] + (n,) + shape[3:], dtype=self.dtype, device=self.device)
-               for n in chunks[keep:]]
+        # the fused kernels never load a position past a row's length (masked loads), so their
+        # chunks need no zeroing: that memset was a GPU-wide pass over every GiB a promotion adds
+        make = torch.empty if self.fused else torch.zeros
+        new = [make(shape[:2] + (n,) + shape[3:], dtype=self.dtype, device=self.device) for n in chunks[keep:]]
         for chunk in new:
             self.starts.append(self.num_blocks)
             self.chunks.append(chunk)

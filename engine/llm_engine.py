@@ -7,7 +7,10 @@ the event loop and carries its outputs back.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+
+import structlog
 
 from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalText
@@ -16,6 +19,10 @@ from engine.sampling import Draw, SamplingParams, sample
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, Status
 from engine.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
+SLOW_STEP_S = 0.04  # a step longer than this is logged with what it held
+IDLE_S = 1.0  # and so are the first steps after an idle time this long (a promoted standby's first)
 
 
 @dataclass(slots=True)
@@ -59,6 +66,7 @@ class LLMEngine:
         self.scheduler = Scheduler(BlockManager(kv.num_blocks, kv.block_size), runner.cfg.max_batch,
                                    runner.max_len, eos_ids)
         self.texts: dict[str, IncrementalText] = {}
+        self._last_step_end, self._log_steps = time.perf_counter(), 0
 
     @property
     def max_len(self) -> int:
@@ -78,7 +86,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Prefill what is pending (while others decode, at most ``prefill_chunk`` prompt tokens in
         all, so a long prompt does not stall them), then one decode step for the rest."""
-        outputs = []
+        outputs, t0 = [], time.perf_counter()
         prefill, decode = self.scheduler.schedule()
         budget = self.prefill_chunk if decode and self.prefill_chunk else None
         whole, parts = [], []
@@ -99,6 +107,16 @@ class LLMEngine:
             plan = StepPlan("decode", tuple(s.last_token for s in decode), tuple(s.length - 1 for s in decode),
                             _tables(decode))
             outputs += self._advance(decode, self.runner.run(plan))
+        end = time.perf_counter()
+        if t0 - self._last_step_end > IDLE_S:  # the first steps after idle: a promoted standby's first
+            self._log_steps = 6
+        if end - t0 > SLOW_STEP_S or self._log_steps:  # what a slow step held (a long prompt, ...)
+            self._log_steps = max(0, self._log_steps - 1)
+            log.info("step_slow" if end - t0 > SLOW_STEP_S else "step_after_idle", ms=round((end - t0) * 1e3, 1),
+                     idle_ms=round((t0 - self._last_step_end) * 1e3, 1), prefill_seqs=len(whole),
+                     prefill_tokens=sum(n for _, n in whole), chunks=len(parts),
+                     chunk_tokens=sum(n for _, n in parts), decode_rows=len(decode))
+        self._last_step_end = end
         return outputs
 
     def _prefilled(self, seqs: list[Sequence], logits, chunk: int | None = None) -> list[RequestOutput]:
@@ -161,8 +179,13 @@ class LLMEngine:
         not using cuDNN attention (``cudnn_attention``), which a warm-up could not cover."""
         n = min(5, self.max_len)
         table = (tuple(range(-(-n // self.runner.kv.block_size))),)
+        t0 = time.perf_counter()
         self.runner.run(StepPlan("prefill", (tuple(range(n - 1)),), block_tables=table))
-        self.runner.run(StepPlan("decode", (n - 1,), (n - 1,), table))
+        t1 = time.perf_counter()
+        logits = self.runner.run(StepPlan("decode", (n - 1,), (n - 1,), table))
+        sample(logits, [Draw(SamplingParams(temperature=0.0), 0, n)], self.runner.greedy)  # waits for the step
+        log.info("warmup_first_steps", prefill_ms=round((t1 - t0) * 1e3, 1),
+                 decode_ms=round((time.perf_counter() - t1) * 1e3, 1))
         prompt, new = min(32, self.max_len // 2), min(16, self.max_len // 4)
         per_seq = -(-(prompt + new) // self.runner.kv.block_size)
         batch = min(batch, self.scheduler.blocks.num_free // per_seq)

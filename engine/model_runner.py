@@ -7,6 +7,7 @@ KV cache holds the same positions. Every rank ends a step with the same logits; 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import structlog
@@ -47,14 +48,15 @@ class ModelRunner:
             # paid after every failover. Flash / memory-efficient attention have no such start.
             torch.backends.cuda.enable_cudnn_sdp(cfg.cudnn_attention)
         self.max_len = min(cfg.max_model_len or model_cfg.context_len, model_cfg.context_len)
+        t0 = time.perf_counter()
         self.model = CausalLM.from_weights(model_cfg, weights, tp=cfg.tp, fp8=cfg.transform == "fp8-block",
                                            max_len=self.max_len, device=self.device)
+        t_model = time.perf_counter()
         self.kv = KVPool.from_budget(cfg.kv_memory, max_batch=cfg.max_batch, max_len=self.max_len,
                                      block_size=cfg.kv_block_size, layers=model_cfg.num_layers,
                                      kv_heads=model_cfg.num_kv_heads // cfg.tp, head_dim=model_cfg.head_dim,
                                      dtype=self.dtype, device=self.device)
-        log.info("kv_cache_allocated", blocks=self.kv.num_blocks, block_size=self.kv.block_size,
-                 chunks=len(self.kv.chunks), max_len=self.max_len, bytes=self.kv.nbytes)
+        t_kv = time.perf_counter()
         # CUDA: decode through static buffers and batch buckets (engine.cuda_graphs), graphs captured
         # after the engine is ready (tp == 1: a captured all-reduce would need every rank in step)
         self.decoder = None
@@ -62,6 +64,10 @@ class ModelRunner:
             self.decoder = DecodeGraphs(self.model, self.kv, cfg.max_batch, self.max_len, self.device,
                                         capture=cfg.cuda_graphs and cfg.tp == 1)
         self.greedy: torch.Tensor | None = None  # the last decode's argmax ids, on the device
+        log.info("kv_cache_allocated", blocks=self.kv.num_blocks, block_size=self.kv.block_size,
+                 chunks=len(self.kv.chunks), max_len=self.max_len, bytes=self.kv.nbytes,
+                 model_ms=round((t_model - t0) * 1e3, 1), kv_ms=round((t_kv - t_model) * 1e3, 1),
+                 buffers_ms=round((time.perf_counter() - t_kv) * 1e3, 1))
 
     @property
     def graphs_pending(self) -> bool:
@@ -89,9 +95,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         if plan.kind == "resize":
+            start = time.perf_counter()
             self.kv.resize(plan.chunks)
             log.info("kv_cache_resized", blocks=self.kv.num_blocks, chunks=len(self.kv.chunks),
-                     bytes=self.kv.nbytes)
+                     bytes=self.kv.nbytes, ms=round((time.perf_counter() - start) * 1e3, 1))
             return None
         if plan.kind == "capture":
             self.decoder.capture_next()

@@ -34,18 +34,31 @@ log = structlog.get_logger(__name__)
 
 def build_engine(cfg: EngineConfig, model_cfg: ModelConfig, keep: dict) -> LLMEngine:
     """Join the TP group, get the weights, allocate KV, warm up. Runs on the engine thread."""
+    t0 = time.perf_counter()
     init_group(cfg)
     if cfg.device == "cuda":
         import torch
 
         torch.cuda.set_device(cfg.tp_rank)
+        torch.cuda.init()  # the context now, so the phases below are timed apart from it
+    t_context = time.perf_counter()
     weights: LoadedWeights = load_weights(cfg)
     keep["weights"] = weights  # the mapping must outlive the model
+    t_weights = time.perf_counter()
     runner = ModelRunner(cfg, model_cfg, weights.tensors)
     tokenizer = Tokenizer(cfg.model)
     engine = LLMEngine(runner, tokenizer, model_cfg.eos_token_ids + tokenizer.eos_token_ids)
+    t_runner = time.perf_counter()
     engine.warmup(cfg.warmup_batch)
+    t_warm = time.perf_counter()
+    # where a start goes (bench/relaunch.py prints these per round)
+    log.info("engine_built", context_ms=_ms(t0, t_context), weights_ms=_ms(t_context, t_weights),
+             model_kv_ms=_ms(t_weights, t_runner), warmup_ms=_ms(t_runner, t_warm), total_ms=_ms(t0, t_warm))
     return engine
+
+
+def _ms(a: float, b: float) -> float:
+    return round((b - a) * 1e3, 1)
 
 
 async def serve(cfg: EngineConfig, model_cfg: ModelConfig, argv: list[str],

@@ -37,6 +37,44 @@ def store_kv_kernel(k_ptr, v_ptr, anchor_ptr, offsets_ptr, slots_ptr, layer, str
             tl.store(anchor_ptr + v_dst + i, tl.load(v_ptr + t * stride_v + i, mask=m), mask=m)
 
 
+@triton.jit
+def _attend_span(q, anchor_ptr, k_offsets, off_which, tables_ptr, stride_tw, stride_tb, b, kvh, ds, dmask,
+                 lo, hi, sm_scale, H_KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Row ``b``'s queries ``q`` [BLOCK_H, BLOCK_D] of kv head ``kvh`` against its positions
+    ``lo..hi``, read in place through ``tables[:, b]``: the unnormalised output and the online
+    softmax's (max, sum), in fp32. Both decode kernels are this loop."""
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pmask = pos < hi
+        block = tl.load(tables_ptr + (pos // BS) * stride_tw + b * stride_tb, mask=pmask, other=0)
+        within = (pos % BS) * (H_KV * D) + kvh * D
+        k_at = tl.load(k_offsets + block, mask=pmask, other=0) + within
+        v_at = tl.load(k_offsets + off_which + block, mask=pmask, other=0) + within
+        kv_mask = pmask[:, None] & dmask[None, :]
+        k = tl.load(anchor_ptr + k_at[:, None] + ds[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(anchor_ptr + v_at[:, None] + ds[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(pmask[None, :], s * sm_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, m_i, l_i
+
+
 @triton.jit(do_not_specialize=["layer"])
 def paged_decode_kernel(q_ptr, o_ptr, anchor_ptr, offsets_ptr, tables_ptr, lens_ptr, layer, sm_scale,
                         stride_qb, stride_qh, stride_ob, stride_oh, stride_tw, stride_tb, off_which, off_layer,
@@ -55,35 +93,9 @@ def paged_decode_kernel(q_ptr, o_ptr, anchor_ptr, offsets_ptr, tables_ptr, lens_
     heads = kvh * GROUP + hs
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + ds[None, :],
                 mask=hmask[:, None] & dmask[None, :], other=0.0)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    k_offsets = offsets_ptr + layer * off_layer
-    for start in range(0, n, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        pmask = pos < n
-        block = tl.load(tables_ptr + (pos // BS) * stride_tw + b * stride_tb, mask=pmask, other=0)
-        within = (pos % BS) * (H_KV * D) + kvh * D
-        k_at = tl.load(k_offsets + block, mask=pmask, other=0) + within
-        v_at = tl.load(k_offsets + off_which + block, mask=pmask, other=0) + within
-        kv_mask = pmask[:, None] & dmask[None, :]
-        k = tl.load(anchor_ptr + k_at[:, None] + ds[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(pmask[None, :], s * sm_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(anchor_ptr + v_at[:, None] + ds[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    acc, m_i, l_i = _attend_span(q, anchor_ptr, offsets_ptr + layer * off_layer, off_which, tables_ptr,
+                                 stride_tw, stride_tb, b, kvh, ds, dmask, 0, n, sm_scale,
+                                 H_KV, D, BS, BLOCK_H, BLOCK_D, BLOCK_N, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + ds[None, :],
              out.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
@@ -142,3 +154,61 @@ def rope_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh,
     base = out_ptr + t * stride_ot + h * stride_oh
     tl.store(base + i, lo.to(dt), mask=m)
     tl.store(base + HALF + i, hi.to(dt), mask=m)
+
+
+@triton.jit(do_not_specialize=["layer"])
+def paged_decode_split_kernel(q_ptr, part_ptr, ml_ptr, anchor_ptr, offsets_ptr, tables_ptr, lens_ptr, layer,
+                              sm_scale, stride_qb, stride_qh, stride_tw, stride_tb, off_which, off_layer,
+                              H: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                              BS: tl.constexpr, NSPLIT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr,
+                              BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """``paged_decode_kernel`` split along the context (flash-decoding): one program per (row, kv
+    head, span of ``SPLIT`` positions), so a short batch still fills the GPU. Each writes its span's
+    unnormalised output [GROUP, D] and (max, sum) of its softmax to ``part``/``ml`` [B, H, NSPLIT, ...];
+    ``paged_decode_combine_kernel`` merges the spans. A span past the row's length writes nothing."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    n = tl.load(lens_ptr + b)
+    lo = sp * SPLIT
+    if lo < n:
+        hi = tl.minimum(lo + SPLIT, n)
+        hs = tl.arange(0, BLOCK_H)
+        ds = tl.arange(0, BLOCK_D)
+        hmask, dmask = hs < GROUP, ds < D
+        heads = kvh * GROUP + hs
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + ds[None, :],
+                    mask=hmask[:, None] & dmask[None, :], other=0.0)
+        acc, m_i, l_i = _attend_span(q, anchor_ptr, offsets_ptr + layer * off_layer, off_which, tables_ptr,
+                                     stride_tw, stride_tb, b, kvh, ds, dmask, lo, hi, sm_scale,
+                                     H_KV, D, BS, BLOCK_H, BLOCK_D, BLOCK_N, IEEE)
+        row = (b * H + heads) * NSPLIT + sp  # [BLOCK_H]
+        tl.store(part_ptr + row[:, None] * D + ds[None, :], acc, mask=hmask[:, None] & dmask[None, :])
+        tl.store(ml_ptr + row * 2, m_i, mask=hmask)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=hmask)
+
+
+@triton.jit
+def paged_decode_combine_kernel(part_ptr, ml_ptr, lens_ptr, o_ptr, stride_ob, stride_oh, H: tl.constexpr,
+                                D: tl.constexpr, NSPLIT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
+                                BLOCK_D: tl.constexpr):
+    """One program per (row, query head): the spans' outputs merged by their softmax weights; a row
+    of length 0 (padding) gets zeros."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(lens_ptr + b)
+    spans = (n + SPLIT - 1) // SPLIT
+    ss = tl.arange(0, BLOCK_S)
+    ds = tl.arange(0, BLOCK_D)
+    smask, dmask = ss < spans, ds < D
+    row = (b * H + h) * NSPLIT + ss
+    m = tl.load(ml_ptr + row * 2, mask=smask, other=float("-inf"))
+    l = tl.load(ml_ptr + row * 2 + 1, mask=smask, other=0.0)
+    top = tl.max(m, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.where(smask, tl.exp(m - top), 0.0)
+    part = tl.load(part_ptr + row[:, None] * D + ds[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+    num = tl.sum(part * w[:, None], 0)
+    den = tl.sum(l * w, 0)
+    out = num / tl.where(den > 0, den, 1.0)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + ds, out.to(o_ptr.dtype.element_ty), mask=dmask)

@@ -102,7 +102,8 @@ class Etcd:
 
     def __init__(self, endpoints: list[str] | tuple[str, ...], *, timeout: float = 1.0) -> None:
         self.endpoints = list(normalize_endpoints(endpoints))
-        self.timeout = timeout
+        self.timeout = timeout  # the deadline of every call, per endpoint tried
+        self.timeouts = 0  # calls that hit it (a frozen or cut-off member); see NodeCluster._publish
         self._session: aiohttp.ClientSession | None = None
 
     def session(self) -> aiohttp.ClientSession:
@@ -125,6 +126,7 @@ class Etcd:
                         doc = await resp.json(content_type=None)
             except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
                 errors.append(f"{ep}: {exc!r}")
+                self.timeouts += isinstance(exc, TimeoutError)
                 continue
             if ep != self.endpoints[0]:  # remember who answered
                 self.endpoints.remove(ep)
@@ -215,9 +217,15 @@ class Etcd:
                     progress_timeout: float | None = None) -> AsyncIterator[list[Event]]:
         """Yield batches of events on ``key`` (or under it) from ``start_revision`` on, forever.
 
-        Raises EtcdUnavailable when the stream breaks (a member that dies closes it) or, with
-        ``progress_timeout``, stays silent that long, so the caller re-reads and watches again
-        from the revision it has seen."""
+        Raises EtcdUnavailable when the stream breaks (a member that dies closes it). A member that
+        is frozen (SIGSTOP, a hung disk) or cut off from the quorum keeps the stream open and
+        silent, so with ``progress_timeout`` a silence that long is checked: one linearizable read
+        on the same member (it needs the quorum, so a partitioned member fails it too) within the
+        call deadline. It answers: the watch is alive, an empty batch is yielded (progress, for the
+        caller's liveness clock). It does not: the member goes to the back of the endpoint list and
+        EtcdUnavailable is raised, so the caller re-reads and watches again from the revision it has
+        seen, on another member. etcd's own ``progress_notify`` is asked for too, but its interval is
+        a server flag (10 min by default), so it cannot be the deadline."""
         create = {"key": _b64(key), "progress_notify": True}
         if prefix:
             create["range_end"] = _b64(prefix_end(key))
@@ -232,11 +240,25 @@ class Etcd:
                     self.timeout)
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 errors.append(f"{ep}: {exc!r}")
+                self.demote(ep)
                 continue
             async with resp:
+                # one read at a time, never cancelled midway (a cancelled readline loses the part of
+                # a line it had consumed): a silence leaves it pending while the member is checked
+                pending: asyncio.Future | None = None
                 try:
                     while True:
-                        line = await asyncio.wait_for(resp.content.readline(), progress_timeout)
+                        if pending is None:
+                            pending = asyncio.ensure_future(resp.content.readline())
+                        done, _ = await asyncio.wait({pending}, timeout=progress_timeout)
+                        if not done:
+                            if await self.answers(ep, key):
+                                yield []
+                                continue
+                            self.demote(ep)
+                            raise EtcdUnavailable(f"etcd watch on {ep}: silent for {progress_timeout} s and "
+                                                  "the member does not answer (frozen or cut off)")
+                        line, pending = pending.result(), None
                         if not line:
                             raise EtcdUnavailable(f"etcd watch on {ep}: stream ended")
                         doc = json.loads(line)
@@ -249,7 +271,28 @@ class Etcd:
                             yield events
                 except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
                     raise EtcdUnavailable(f"etcd watch on {ep}: {exc!r}") from None
+                finally:
+                    if pending is not None and not pending.done():
+                        pending.cancel()
+                        await asyncio.gather(pending, return_exceptions=True)
         raise EtcdUnavailable("etcd watch: no endpoint answered: " + "; ".join(errors))
+
+    async def answers(self, ep: str, key: str) -> bool:
+        """Whether member ``ep`` serves a linearizable read (count only) within the call deadline."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                async with self.session().post(f"{ep}/v3/kv/range",
+                                               json={"key": _b64(key), "count_only": True}) as resp:
+                    doc = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError, OSError):
+            return False
+        return isinstance(doc, dict) and "header" in doc and not _is_unavailable(doc)
+
+    def demote(self, ep: str) -> None:
+        """``ep`` failed a call: try it last from now on (a frozen member is not asked first again)."""
+        if ep in self.endpoints and len(self.endpoints) > 1:
+            self.endpoints.remove(ep)
+            self.endpoints.append(ep)
 
 
 def _is_unavailable(doc: dict) -> bool:

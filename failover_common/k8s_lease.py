@@ -30,6 +30,9 @@ import aiohttp
 from failover_common.etcd import KV, EtcdError, EtcdUnavailable, SwapResult
 
 RECORD = "failover.io/record"
+KEY = "failover.io/key"  # the etcd-style key a Lease stands for (a name cannot hold '/' or '@')
+CLUSTER = "failover.io/cluster"  # label: every Lease of one cluster, listed with one selector
+OWNER = "failover.io/owner"  # annotation: the heartbeat Lease (k8s_store) a key lives under
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
@@ -60,9 +63,10 @@ class KubeLeases:
     projected tokens rotate); ``ca_file``: the API server's CA. Use :meth:`in_cluster` in a pod."""
 
     def __init__(self, api: str, namespace: str, *, token_file: Path | None = None, ca_file: Path | None = None,
-                 timeout: float = 2.0) -> None:
+                 timeout: float = 2.0, cluster: str = "default") -> None:
         self.api = api.rstrip("/")
         self.namespace = namespace
+        self.cluster = cluster  # the CLUSTER label of every Lease written
         self.token_file, self.ca_file, self.timeout = token_file, ca_file, timeout
         self._session: aiohttp.ClientSession | None = None
 
@@ -126,17 +130,24 @@ class KubeLeases:
         if not str(rv).isdigit():
             raise EtcdError(f"lease {meta.get('name')}: resourceVersion {rv!r} is not an integer; this "
                             "backend needs an etcd-backed API server")
-        return KV(key, (meta.get("annotations") or {}).get(RECORD, ""), int(rv), int(rv), 0)
+        annotations = meta.get("annotations") or {}
+        stored = annotations.get(KEY, key)
+        if stored != key:
+            raise EtcdError(f"lease {meta.get('name')} holds key {stored!r}, not {key!r}: two keys map to one "
+                            "Lease name; rename the slot or node")
+        owner = annotations.get(OWNER, "")
+        return KV(key, annotations.get(RECORD, ""), int(rv), int(rv), int(owner) if owner.isdigit() else 0)
 
     def body(self, key: str, value: str, *, resource_version: int | None = None,
-             duration_s: int | None = None) -> dict:
+             duration_s: int | None = None, owner: str | None = None) -> dict:
         holder = ""
         try:
             holder = str(json.loads(value).get("instance") or "")
         except (ValueError, AttributeError):
             pass
-        meta = {"name": lease_name(key), "namespace": self.namespace, "annotations": {RECORD: value},
-                "labels": {"app.kubernetes.io/name": "failover"}}
+        annotations = {RECORD: value, KEY: key} | ({OWNER: owner} if owner else {})
+        meta = {"name": lease_name(key), "namespace": self.namespace, "annotations": annotations,
+                "labels": {"app.kubernetes.io/name": "failover", CLUSTER: self.cluster}}
         if resource_version is not None:
             meta["resourceVersion"] = str(resource_version)
         spec = {"holderIdentity": holder, "renewTime": microtime()}
@@ -159,16 +170,33 @@ class KubeLeases:
             return SwapResult(False, current.mod_revision if current else 0, current)
         raise EtcdError(f"kubernetes swap {lease_name(key)}: {status} {doc.get('message')}")
 
-    async def renew(self, key: str, value: str, duration_s: int) -> int:
-        """A heartbeat Lease (a node's): create it or renew it; returns its resourceVersion."""
-        for _ in range(3):  # a conflict here is only our own previous renew racing a read
+    async def list(self) -> tuple[list[dict], int]:
+        """Every Lease of this cluster (one label selector) and the list's resourceVersion."""
+        status, doc = await self.request("GET", f"{self.path()}?labelSelector={CLUSTER}%3D{self.cluster}")
+        if status != 200:
+            raise EtcdError(f"kubernetes list leases: {status} {doc.get('message')}")
+        rv = (doc.get("metadata") or {}).get("resourceVersion", "0")
+        return list(doc.get("items") or []), int(rv) if str(rv).isdigit() else 0
+
+    async def remove(self, name: str) -> None:
+        status, doc = await self.request("DELETE", self.path(name))
+        if status not in (200, 202, 404):
+            raise EtcdError(f"kubernetes delete lease {name}: {status} {doc.get('message')}")
+
+    async def upsert(self, key: str, value: str, *, duration_s: int | None = None, owner: str | None = None) -> int:
+        """Create the Lease of ``key`` or replace it (whoever wrote it last); its new resourceVersion."""
+        for _ in range(3):  # a conflict here is a concurrent writer between our read and our write
             current = await self.get(key)
             rv = None if current is None else current.mod_revision
             method, url = ("POST", self.path()) if rv is None else ("PUT", self.path(lease_name(key)))
             status, doc = await self.request(method, url, self.body(key, value, resource_version=rv,
-                                                                    duration_s=duration_s))
+                                                                    duration_s=duration_s, owner=owner))
             if status in (200, 201):
                 return self._kv(key, doc).mod_revision
             if status != 409:
-                raise EtcdError(f"kubernetes renew {lease_name(key)}: {status} {doc.get('message')}")
-        raise EtcdError(f"kubernetes renew {lease_name(key)}: conflicting writers")
+                raise EtcdError(f"kubernetes write {lease_name(key)}: {status} {doc.get('message')}")
+        raise EtcdError(f"kubernetes write {lease_name(key)}: conflicting writers")
+
+    async def renew(self, key: str, value: str, duration_s: int) -> int:
+        """A heartbeat Lease (a node's): create it or renew it; returns its resourceVersion."""
+        return await self.upsert(key, value, duration_s=duration_s)

@@ -18,9 +18,24 @@ import signal
 from failover_common.proc import die_with_parent
 
 ENV = "FAILOVER_VLLM_DIE_WITH_PARENT"
+_registered = False
 
 
 def register() -> None:
     """vLLM's plugin hook; idempotent (vLLM may call it more than once per process)."""
+    global _registered
     if os.environ.get(ENV) == "1":
         die_with_parent(signal.SIGKILL)
+    if not _registered:
+        _registered = True
+        try:
+            from vllm.model_executor.model_loader import register_model_loader
+
+            from failover_vllm.model_loader import LOAD_FORMAT, FailoverModelLoader
+        except ImportError as e:  # another vLLM than the loader is written for: vLLM itself still runs
+            import logging
+
+            logging.getLogger(__name__).warning("failover's --load-format failover is unavailable with this "
+                                                "vLLM (%s); weights = \"disk\" still works", e)
+            return
+        register_model_loader(LOAD_FORMAT)(FailoverModelLoader)

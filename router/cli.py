@@ -25,6 +25,7 @@ from pathlib import Path
 import structlog
 
 from failover_common.etcd import Etcd
+from failover_common.k8s_store import KubeStore, in_cluster_defaults
 from failover_common.logs import configure_logging
 from router import evloop
 from router.admin import TokenFileError
@@ -83,6 +84,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--loop-lag-tolerance", type=float, default=d.loop_lag_tolerance,
                    help="a probe timed out while the router's own loop lagged more is not counted "
                         "(seconds, default: %(default)s)")
+    p.add_argument("--hang-probe-timeout", type=float, default=d.hang_probe_timeout,
+                   help="every stream of the primary silent and a probe unanswered this long: hung, "
+                        "failed over at once (seconds, 0: off, default: %(default)s)")
     p.add_argument("--replace-settle-timeout", type=float, default=d.replace_settle_timeout,
                    help="after a failover, wait at most this for the broken requests to resume before "
                         "asking for a replacement (seconds, default: %(default)s)")
@@ -90,6 +94,15 @@ def parser() -> argparse.ArgumentParser:
                    help="event loop: uvloop when installed (auto), or force one (default: %(default)s)")
     p.add_argument("--etcd", action="append", default=[], metavar="URL[,URL...]",
                    help="etcd endpoints: be a peer router of that cluster (no --backend needed)")
+    p.add_argument("--k8s-lease", default=None, metavar="NAMESPACE",
+                   help="instead of etcd: the cluster's state in Kubernetes Lease objects of that namespace "
+                        "(docs/cluster.md)")
+    p.add_argument("--k8s-api", default=None, metavar="URL",
+                   help="the API server (default in a pod: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT)")
+    p.add_argument("--k8s-token-file", type=Path, default=None,
+                   help="bearer token (default in a pod: the service account's)")
+    p.add_argument("--k8s-ca-file", type=Path, default=None, help="the API server's CA (default in a pod: the "
+                   "service account's)")
     p.add_argument("--cluster", default="default", help="cluster name in etcd (default: %(default)s)")
     p.add_argument("--router-id", default=None, help="this router's name in etcd (default: host-pid)")
     p.add_argument("--ttl", type=int, default=5,
@@ -102,12 +115,22 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     p, d = parser(), RouterConfig()
     args = p.parse_args(argv)
-    if not args.backend and not args.etcd:
+    if args.etcd and args.k8s_lease:
+        print("failover router: give --etcd or --k8s-lease, not both", file=sys.stderr)
+        return 2
+    if args.k8s_lease:
+        try:
+            args.k8s_api, args.k8s_token_file, args.k8s_ca_file = in_cluster_defaults(
+                args.k8s_api, args.k8s_token_file, args.k8s_ca_file, os.environ)
+        except ValueError as exc:
+            print(f"failover router: {exc}", file=sys.stderr)
+            return 2
+    if not args.backend and not args.etcd and not args.k8s_lease:
         p.print_usage(sys.stderr)
         print("failover router: give at least one --backend NAME=URL (or --etcd ENDPOINTS)", file=sys.stderr)
         return 2
-    if args.backend and args.etcd or args.standby and args.etcd:
-        print("failover router: with --etcd the instances come from etcd; drop --backend/--standby",
+    if (args.backend or args.standby) and (args.etcd or args.k8s_lease):
+        print("failover router: with --etcd/--k8s-lease the instances come from the cluster; drop --backend/--standby",
               file=sys.stderr)
         return 2
     if args.ttl < 1:
@@ -128,7 +151,8 @@ def main(argv: list[str]) -> int:
             max_buffered_bytes=args.max_buffered_bytes, body_timeout=args.body_timeout,
             forward_paths=tuple(dict.fromkeys(d.forward_paths + tuple(args.forward_path))),
             max_upstream=args.max_upstream, upstream_queue_size=args.upstream_queue_size,
-            loop_lag_tolerance=args.loop_lag_tolerance, replace_settle_timeout=args.replace_settle_timeout)
+            loop_lag_tolerance=args.loop_lag_tolerance, replace_settle_timeout=args.replace_settle_timeout,
+            hang_probe_timeout=args.hang_probe_timeout)
     except ValueError as exc:
         print(f"failover router: {exc}", file=sys.stderr)
         return 2
@@ -147,8 +171,13 @@ def main(argv: list[str]) -> int:
 
 async def _serve(config: RouterConfig, args: argparse.Namespace) -> int:
     etcd = view = None
-    if args.etcd:
-        etcd = Etcd([ep for arg in args.etcd for ep in arg.split(",") if ep])
+    deadline = max(0.2, min(1.0, args.ttl / 4))  # each call's, per member: a frozen one costs this
+    if args.k8s_lease:
+        etcd = KubeStore.connect(args.k8s_api, args.k8s_lease, args.cluster, token_file=args.k8s_token_file,
+                                 ca_file=args.k8s_ca_file, timeout=deadline, poll=max(0.1, args.ttl / 8))
+    elif args.etcd:
+        etcd = Etcd([ep for arg in args.etcd for ep in arg.split(",") if ep], timeout=deadline)
+    if etcd is not None:
         rid = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
         roles = EtcdRoles(etcd, args.cluster, rid)
         router = Router(config, launcher=None, roles=roles)

@@ -6,6 +6,8 @@
   say which nodes are alive. An instance record that disappears (its node's lease expired: the node
   died or froze past its TTL) is a failure of that instance.
 - The router's own record under its lease: its URL and the primaries it sees, for ``failover status``.
+- A frozen etcd member: every call has a deadline (the client tries the next member), and a watch
+  that stays silent ``progress_timeout`` is checked on its member and moved to another one.
 - Contact: every successful call or event. Without contact for ``stale_after`` seconds the router
   stops routing (the last known primary was kept until then); it never promotes meanwhile, as a
   claim needs etcd to answer. Contact back: a full read, then routing again.
@@ -35,6 +37,9 @@ class ClusterView:
         self.ttl = ttl
         self.stale_after = stale_after if stale_after is not None else float(ttl)
         self.url = url
+        # a silent watch is checked this often (a frozen member keeps its stream open): well inside
+        # stale_after, so a frozen member costs a reconnect, never held routing
+        self.progress_timeout = max(0.2, min(1.0, self.stale_after / 4))
         self.instances: dict[str, dict] = {}  # cluster id -> record (peer routers)
         self.nodes: dict[str, dict] = {}
         self.routers: dict[str, dict] = {}
@@ -80,7 +85,8 @@ class ClusterView:
                 kvs, rev = await self.etcd.range(self.prefix, prefix=True)
                 self.contact()
                 self._load(kvs, rev)
-                async for events in self.etcd.watch(self.prefix, prefix=True, start_revision=rev + 1):
+                async for events in self.etcd.watch(self.prefix, prefix=True, start_revision=rev + 1,
+                                                    progress_timeout=self.progress_timeout):
                     self.contact()
                     for ev in events:
                         self.revision = max(self.revision, ev.kv.mod_revision)
@@ -241,4 +247,5 @@ def join(router, etcd: Etcd, roles: EtcdRoles, *, directory: bool, ttl: int,
     roles.claims = Claims(switch=follower.switch, follow=follower.follow, gone=follower.gone)
     router.cluster = view = ClusterView(router, etcd, roles, directory=directory, ttl=ttl,
                                         stale_after=stale_after, url=url)
+    roles.fingerprint_of = lambda ident: (view.instances.get(ident) or {}).get("fingerprint")
     return view

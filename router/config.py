@@ -38,6 +38,11 @@ class RouterConfig:
     max_upstream: int = 128  # requests in flight to one instance at once (aiohttp's listen backlog is 128)
     upstream_queue_size: int = 1024  # requests that may wait in the router for one of those slots
     loop_lag_tolerance: float = 0.1  # a probe that timed out while our own loop lagged more is not counted
+    # Hang under load (router/stall.py, health.py): every stream of the primary silent past
+    # max(floor, factor x its recent inter-read gap) and a probe unanswered this long -> failed at once.
+    hang_probe_timeout: float = 0.1  # 0: off (probes alone decide, after probe_timeout x failure_threshold)
+    hang_stream_floor: float = 0.15
+    hang_stream_factor: float = 4.0
     replace_settle_timeout: float = 2.0  # after a failover, wait (at most this) for the requests it broke
     #                                      to resume before asking for a replacement (0: ask at once)
     stall_timeout: float = 30.0  # no upstream chunk for this long mid-stream: the backend failed
@@ -57,6 +62,9 @@ class RouterConfig:
             raise ValueError("RouterConfig.failure_threshold must be at least 1")
         if self.max_upstream < 1:
             raise ValueError("RouterConfig.max_upstream must be at least 1")
+        if self.hang_probe_timeout < 0 or self.hang_stream_floor <= 0 or self.hang_stream_factor < 1:
+            raise ValueError("RouterConfig.hang_probe_timeout must be >= 0 (0: off), hang_stream_floor > 0 "
+                             "and hang_stream_factor >= 1")
         if self.loop_lag_tolerance <= 0 or self.replace_settle_timeout < 0:
             raise ValueError("RouterConfig.loop_lag_tolerance must be > 0 and replace_settle_timeout >= 0")
         for name in ("queue_size", "upstream_queue_size", "max_retries", "max_migrations"):

@@ -8,6 +8,14 @@ timeout + (threshold - 1) x interval, not threshold x (timeout + interval).
 A probe that timed out while the router's own loop stalled (router/looplag.py) is discounted: not
 reported at all, since our lateness, not the engine's, may be what ran the clock out.
 
+Under load a hang is seen sooner (issue 15): every ``STALL_TICK`` the primary's stream relays are
+sampled (router/stall.py). When every one of them is silent past its own rhythm, *and* a probe sent
+to it has gone unanswered for ``hang_probe_timeout`` (shorter than ``probe_timeout``: two signals
+agree; at the silence's start one probe is sent at once, not at the next ``probe_interval``), *and*
+no probe sent after that one got an answer, *and* the router's loop did not lag over that window,
+the instance is reported once as ``HANG``. promotion.py fails it over at once, unless it is the
+last ready instance (then it is kept, as for a probe timeout).
+
 The monitor only observes; it reports each verdict to ``on_result`` (the router decides).
 """
 
@@ -25,12 +33,16 @@ from router import states
 from router.backend import Instance
 from router.config import RouterConfig
 from router.looplag import LoopLag
+from router.stall import StreamSilence
 
 log = structlog.get_logger(__name__)
 
 # The ``why`` of a probe that timed out: slow, perhaps hung, not known dead (promotion.py treats it
 # apart: the last ready instance is never fenced for it).
 PROBE_TIMEOUT = "timeout"
+# The ``why`` of a hang verdict: every stream silent and a probe unanswered (see the module doc).
+HANG = "hang: streams silent and probe unanswered"
+STALL_TICK = 0.01  # how often the primaries' streams are sampled, seconds
 
 # on_result(instance, generation, ok, why, latency_s)
 ResultFn = Callable[[Instance, int, bool, str, float], None]
@@ -48,6 +60,13 @@ class HealthMonitor:
         self._pending: dict[Instance, int] = {}
         self._session: aiohttp.ClientSession | None = None
         self._max_pending = math.ceil(config.probe_timeout / config.probe_interval) + 1
+        self._sent: dict[Instance, dict[int, float]] = {}  # probes awaiting an answer: serial -> start
+        self._answered: dict[Instance, float] = {}  # send time of the latest probe that got any HTTP answer
+        self._serial = 0
+        self._silence = StreamSilence(config.hang_stream_floor, config.hang_stream_factor)
+        self._reported: dict[Instance, float] = {}  # silence start already reported as HANG
+        self._asked: dict[Instance, float] = {}  # silence start a probe was sent for at once
+        self._stall_task: asyncio.Task | None = None
 
     def watch(self, inst: Instance) -> None:
         """(Re)start probing ``inst``; the loop ends by itself when the role is not watched.
@@ -60,13 +79,16 @@ class HealthMonitor:
             task.cancel()
         self._loops[inst] = asyncio.get_running_loop().create_task(
             self._loop(inst), name=f"probe-loop-{inst.name}")
+        if self.config.hang_probe_timeout > 0 and (self._stall_task is None or self._stall_task.done()):
+            self._stall_task = asyncio.get_running_loop().create_task(self._stall_loop(), name="stream-stall")
 
     def confirm(self, inst: Instance) -> None:
         """Probe now (a proxied request just failed on ``inst``)."""
         self._spawn(inst)
 
     async def stop(self) -> None:
-        tasks = [*self._loops.values(), *self._probes]
+        tasks = [*self._loops.values(), *self._probes, *([self._stall_task] if self._stall_task else [])]
+        self._stall_task = None
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -88,17 +110,21 @@ class HealthMonitor:
 
     def _spawn(self, inst: Instance) -> None:
         self._pending[inst] = self._pending.get(inst, 0) + 1
-        task = asyncio.get_running_loop().create_task(self._probe(inst), name=f"probe-{inst.name}")
+        self._serial += 1
+        task = asyncio.get_running_loop().create_task(self._probe(inst, self._serial), name=f"probe-{inst.name}")
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
 
-    async def _probe(self, inst: Instance) -> None:
+    async def _probe(self, inst: Instance, serial: int) -> None:
         generation = inst.generation
         t0 = time.monotonic()
+        self._sent.setdefault(inst, {})[serial] = t0
         ok, why = False, ""
         try:
             async with asyncio.timeout(self.config.probe_timeout):
                 async with self._client().get(inst.url + inst.probe_path) as resp:
+                    # its HTTP side lived after t0, whatever it says
+                    self._answered[inst] = max(self._answered.get(inst, 0.0), t0)
                     await resp.read()
                     ok, why = resp.status == 200, f"status {resp.status}"
         except TimeoutError:
@@ -109,6 +135,11 @@ class HealthMonitor:
             self._pending[inst] -= 1
             if not self._pending[inst]:
                 del self._pending[inst]
+            sent = self._sent.get(inst)
+            if sent is not None:
+                sent.pop(serial, None)
+                if not sent:
+                    del self._sent[inst]
         if why == PROBE_TIMEOUT and (lag := self.lag.lag_since(t0)) > self.config.loop_lag_tolerance:
             log.warning("probe_discounted", service=inst.service, instance=inst.name,
                         loop_lag_ms=round(lag * 1e3, 1), tolerance_ms=round(self.config.loop_lag_tolerance * 1e3, 1))
@@ -116,6 +147,37 @@ class HealthMonitor:
                 self.on_discount(inst, lag)
             return
         self.on_result(inst, generation, ok, why, time.monotonic() - t0)
+
+    async def _stall_loop(self) -> None:
+        while self._loops:
+            await asyncio.sleep(STALL_TICK)
+            now = time.monotonic()
+            for inst in list(self._loops):
+                if inst.role == states.PRIMARY and inst.ready and not inst.fenced:
+                    self._check_hang(inst, now)
+                else:
+                    self._silence.forget(inst)
+
+    def _check_hang(self, inst: Instance, now: float) -> None:
+        silent = self._silence.sample(inst, now)
+        if silent is None or self._reported.get(inst) == silent:
+            return
+        # The oldest probe still waiting that was sent after the last one to get an answer: an
+        # answer to a later probe would show its HTTP side alive (busy, or only its decode stalled).
+        answered = self._answered.get(inst, 0.0)
+        probe_t0 = min((t for t in self._sent.get(inst, {}).values() if t > answered), default=None)
+        if probe_t0 is None or now - probe_t0 < self.config.hang_probe_timeout:
+            if self._asked.get(inst) != silent:  # ask now rather than at the next probe_interval
+                self._asked[inst] = silent
+                self._spawn(inst)
+            return  # the streams alone fence nothing: wait for a probe to agree (or not)
+        if (lag := self.lag.lag_since(min(silent, probe_t0))) > self.config.loop_lag_tolerance:
+            return  # our loop was late: the tokens may be sitting unread in our sockets
+        self._reported[inst] = silent
+        log.warning("hang_detected", service=inst.service, instance=inst.name,
+                    streams=sum(1 for a in inst.attempts if a.last), silent_ms=round((now - silent) * 1e3, 1),
+                    probe_unanswered_ms=round((now - probe_t0) * 1e3, 1), loop_lag_ms=round(lag * 1e3, 1))
+        self.on_result(inst, inst.generation, False, HANG, now - probe_t0)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:

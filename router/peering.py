@@ -8,15 +8,26 @@ Three callbacks, given to EtcdRoles as its ``Claims``:
   fencing also stops the engine, so a superseded primary never answers again) and the named one,
   when this router knows it as a standby, becomes the primary;
 - ``gone``: whether a holder is dead as far as this router knows (only then may it be replaced).
+
+A primary key written by an operator (``failover promote --to``, ``failover drain``: its reason is
+in ``roles.PLANNED``) hands the old primary over instead: every router stops sending it new
+requests (DRAINING) and lets its in-flight ones finish, then fences it (its node relaunches it as a
+fresh standby). A router waits for its own in-flight requests (at most ``drain_timeout``); the
+old primary's node router, which cannot see the peers' requests, waits the whole ``drain_timeout``
+before it stops the engine; whatever still runs then migrates, as after a failure.
 """
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import structlog
 
 from router import states
 from router.backend import Service
 from router.promotion import Promoter
+from router.roles import PLANNED
 
 log = structlog.get_logger(__name__)
 
@@ -38,7 +49,7 @@ class Follower:
             log.warning("claimed_instance_gone", service=service, instance=name)
             self.promoter.promote_best(svc, "claimed instance gone", failed=name)
             return
-        self._demote(svc, inst, "superseded")
+        self._demote(svc, inst, "superseded", handover=reason in PLANNED)
         self.tokens[service] = revision
         self.promoter._switch(svc, inst, f"{reason} (revision {revision})")
 
@@ -50,7 +61,9 @@ class Follower:
         if inst is not None and svc.primary is inst and inst.role == states.PRIMARY:
             self.tokens[service] = revision
             return
-        self._demote(svc, inst, f"etcd names {name or 'no instance'} (revision {revision})")
+        holder = self.promoter.roles.holders.get(service)
+        self._demote(svc, inst, f"etcd names {name or 'no instance'} (revision {revision})",
+                     handover=holder is not None and holder.reason in PLANNED)
         if inst is None or inst.fenced or inst.role in states.OUT_OF_SERVICE:
             return  # unknown here, or out of service: followed again when it is (re-)registered
         if inst.role == states.DRAINING:
@@ -66,10 +79,26 @@ class Follower:
             return self.directory
         return inst.fenced or inst.role in states.OUT_OF_SERVICE
 
-    def _demote(self, svc: Service, keep, why: str) -> None:
+    def _demote(self, svc: Service, keep, why: str, *, handover: bool = False) -> None:
         old = svc.primary
         if old is None or old is keep:
             return
         svc.primary = None  # taken out first: fail() then fences without promoting anyone
+        if handover and old.role == states.PRIMARY and not old.fenced:
+            log.info("primary_handed_over", service=svc.name, instance=old.name, why=why)
+            self.promoter.set_role(old, states.DRAINING, f"handed over: {why}")
+            svc.refresh()
+            self.promoter.spawn(self._retire(old), f"retire-{old.name}")
+            return
         log.warning("primary_superseded", service=svc.name, instance=old.name, why=why)
         self.promoter.fail(old, "superseded")
+
+    async def _retire(self, old) -> None:
+        """The handed-over primary: its in-flight requests here finish (on a node: the peers' too,
+        within the grace), then it is fenced; an operator's drain may have stopped it first."""
+        t0, grace = time.monotonic(), self.promoter.config.drain_timeout
+        await self.promoter._wait_idle(old, grace)
+        if not self.directory:
+            await asyncio.sleep(max(0.0, grace - (time.monotonic() - t0)))
+        if old.role == states.DRAINING and not old.fenced:
+            self.promoter.fail(old, "handed over")

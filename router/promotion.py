@@ -23,7 +23,7 @@ from router import states
 from router.backend import Instance, Service
 from router.config import RouterConfig
 from router.errors import AdminError
-from router.health import PROBE_TIMEOUT  # fails a primary only when a ready standby can take over
+from router.health import HANG, PROBE_TIMEOUT  # fail a primary only when a ready standby can take over
 from router.launcher import Launcher
 from router.metrics import Metrics
 from router.roles import LocalRoles, RoleStore
@@ -140,7 +140,7 @@ class Promoter:
 
     def _count_failure(self, inst: Instance, kind: str, why: str) -> None:
         inst.failures += 1
-        if inst.failures < self.config.failure_threshold:
+        if inst.failures < self.config.failure_threshold and why != HANG:  # HANG: two signals agreed
             return
         if not inst.ever_ready:
             # Still starting, as far as we know (a standalone router started before its engines):
@@ -150,7 +150,7 @@ class Promoter:
             return
         if inst.role in states.SERVING:
             service = self.services[inst.service]
-            if kind == "probe" and why == PROBE_TIMEOUT and self.best_standby(service, exclude=inst) is None:
+            if kind == "probe" and why in (PROBE_TIMEOUT, HANG) and self.best_standby(service, exclude=inst) is None:
                 # Slow, perhaps hung, but nothing could serve instead: fencing it would turn a slow
                 # service into none. Kept until it answers or a standby is ready (on_probe).
                 if not inst.slow_kept:
@@ -159,7 +159,7 @@ class Promoter:
                               failures=inst.failures, hint="no ready standby to fail over to; it is "
                               "failed as soon as one is ready, unless it answers again first")
                 return
-            self.fail(inst, kind)
+            self.fail(inst, "hang" if why == HANG else kind)
         else:  # a standby that does not answer is not promoted; it may come back by itself
             self.set_ready(inst, False, f"{kind}: {why}")
             inst.suspect = False
@@ -235,7 +235,8 @@ class Promoter:
 
     def best_standby(self, service: Service, exclude: Instance | None = None,
                      failed: str | None = None) -> Instance | None:
-        ready = [i for i in service.standbys() if i.ready and not i.suspect and not i.fenced and i is not exclude]
+        ready = [i for i in service.standbys() if i.ready and not i.suspect and not i.fenced and i is not exclude
+                 and self.roles.refusal(service.name, i.name) is None]
         if not ready:
             return None
         # The role store's preference first (in a cluster: away from a suspect node), then the
@@ -293,17 +294,13 @@ class Promoter:
     # -- planned operations -------------------------------------------------------------------
     async def switchover(self, service: Service, to: str | None) -> dict:
         """Planned promotion: switch first (no blackout), then let the old primary drain. In a
-        cluster: a CAS in etcd; the old primary is fenced (its requests resume on the new one)."""
+        cluster: a CAS in etcd; every router lets the old primary finish its in-flight requests."""
         if not self.roles.decides_locally:
             old, new = service.primary, self._pick_target(service, to)
-            if not await self.roles.claim_planned(service.name, new.name) or service.primary is not new:
-                raise AdminError(409, "etcd did not take the switchover: another router changed the primary "
-                                 "meanwhile, or etcd cannot be written", "cluster")
+            await self._claim_planned(service, new, "planned")
             return {"service": service.name, "primary": new.name, "previous": old.name if old else None}
         async with service.lock:
-            old = service.primary
-            new = self._pick_target(service, to)
-            t0 = time.monotonic()
+            old, new, t0 = service.primary, self._pick_target(service, to), time.monotonic()
             if old is not None:
                 self.set_role(old, states.DRAINING, "planned switchover")
             self._switch(service, new, "planned")
@@ -316,10 +313,10 @@ class Promoter:
             return {"service": service.name, "primary": new.name,
                     "previous": old.name if old else None, "drained": drained}
 
-    def _local_only(self, what: str) -> None:
-        if not self.roles.decides_locally:
-            raise AdminError(409, f"{what} is not done through etcd yet: the cluster's primary changes "
-                             "only on a failure (docs/cluster.md)", "cluster")
+    async def _claim_planned(self, service: Service, new: Instance, reason: str) -> None:
+        if not await self.roles.claim_planned(service.name, new.name, reason) or service.primary is not new:
+            raise AdminError(409, "etcd did not take the switchover: another router changed the primary "
+                             "meanwhile, or etcd cannot be written", "cluster")
 
     def _pick_target(self, service: Service, to: str | None) -> Instance:
         if to is None:
@@ -331,6 +328,8 @@ class Promoter:
         if new is None:
             raise AdminError(404, f"unknown instance {to!r} in service {service.name!r}; "
                              f"known: {sorted(service.instances)}", "not_found")
+        if (why := self.roles.refusal(service.name, new.name)) is not None:
+            raise AdminError(409, f"instance {to!r} may not be promoted: {why}", "fingerprint")
         if new.role != states.STANDBY or not new.ready or new.fenced:
             raise AdminError(409, f"instance {to!r} is {new.role} and {'ready' if new.ready else 'not ready'}; "
                              "only a ready standby can be promoted", "not_ready")
@@ -342,13 +341,15 @@ class Promoter:
         async with service.lock:
             t0 = time.monotonic()
             if inst.role == states.PRIMARY:
-                self._local_only("draining the primary")
                 new = self.best_standby(service, exclude=inst)
                 if new is None:
                     raise AdminError(409, f"{inst.name} is the primary of {service.name!r} and no ready "
                                      "standby can take over; add one or promote first", "no_standby")
-                self.set_role(inst, states.DRAINING, "drain")
-                self._switch(service, new, "drain")
+                if not self.roles.decides_locally:  # a CAS; the Follower hands the old primary over
+                    await self._claim_planned(service, new, "drain")
+                else:
+                    self.set_role(inst, states.DRAINING, "drain")
+                    self._switch(service, new, "drain")
                 self.metrics.failovers.labels(service.name, "planned").inc()
             elif inst.role == states.STANDBY:
                 self.set_role(inst, states.DRAINING, "drain")

@@ -53,6 +53,9 @@ class RoleStore(Protocol):
     def rank(self, candidate: str, failed: str | None) -> int:
         """Order of preference among ready standbys, lower first."""
 
+    def refusal(self, service: str, candidate: str) -> str | None:
+        """Why ``candidate`` may not become the primary of ``service`` at all (None: it may)."""
+
 
 class LocalRoles:
     """One router, one node: its own verdict is the decision."""
@@ -65,6 +68,14 @@ class LocalRoles:
     def rank(self, candidate: str, failed: str | None) -> int:
         return 0
 
+    def refusal(self, service: str, candidate: str) -> str | None:
+        return None
+
+
+# Reasons of a primary key written by an operator's command: the old primary is alive and is
+# handed over (no new requests, its in-flight ones finish), not fenced at once.
+PLANNED = frozenset({"planned", "drain"})
+
 
 @dataclass(slots=True)
 class Holder:
@@ -72,6 +83,7 @@ class Holder:
     revision: int  # mod revision of the primary key (0: absent): what the next CAS compares
     by: str = ""  # the router that wrote it
     at: float = 0.0
+    reason: str = ""  # why it was written (PLANNED: a handover)
 
 
 @dataclass(slots=True)
@@ -98,6 +110,10 @@ class EtcdRoles:
     nodes_alive: set[str] = field(default_factory=set)  # from the node records (peer routers)
     promotions: list[dict] = field(default_factory=list)  # this router's won claims (status, tests)
     refused: int = 0  # claims not even tried: etcd could not be written
+    # cluster id -> the model fingerprint key in its record (set by router.cluster.join)
+    fingerprint_of: Callable[[str], str | None] | None = None
+    reference: dict[str, str] = field(default_factory=dict)  # service -> its primary's fingerprint
+    mismatched: dict[str, str] = field(default_factory=dict)  # instance -> why it is never promoted
     _busy: set[str] = field(default_factory=set)
     _tasks: set[asyncio.Task] = field(default_factory=set)
 
@@ -128,7 +144,8 @@ class EtcdRoles:
         if old is not None and revision and revision < old.revision:
             return  # a late echo of an older value
         doc = _json(value)
-        holder = Holder(doc.get("instance") if value else None, revision, doc.get("by", ""), doc.get("at", 0.0))
+        holder = Holder(doc.get("instance") if value else None, revision, doc.get("by", ""), doc.get("at", 0.0),
+                        str(doc.get("reason", "")))
         self.holders[service] = holder
         if self.claims is not None and (old is None or old.instance != holder.instance or value is None):
             self.claims.follow(service, self.to_local(holder.instance), revision)
@@ -141,6 +158,30 @@ class EtcdRoles:
             return 2
         return 1 if fnode is not None and cnode == fnode else 0
 
+    def refusal(self, service: str, candidate: str) -> str | None:
+        """An instance whose model fingerprint (by content, failover/cluster/fingerprint.py) differs
+        from the service's primary's is never promoted: its tokens would not continue the streams
+        that migrate to it. The reference is the last primary whose record was seen (a dead node's
+        record goes, its fingerprint stays). Unknown on either side: no verdict."""
+        if self.fingerprint_of is None:
+            return None
+        holder = self.holders.get(service)
+        if holder is not None and holder.instance is not None:
+            ref = self.fingerprint_of(holder.instance)
+            if ref and ref != "unknown":
+                self.reference[service] = ref
+        ref, ident = self.reference.get(service), self.to_cluster(candidate)
+        mine = self.fingerprint_of(ident)
+        if not ref or not mine or "unknown" in (ref, mine) or ref == mine:
+            self.mismatched.pop(ident, None)
+            return None
+        why = f"model fingerprint {mine} differs from the primary's {ref} (another checkpoint, dtype, tp or transform)"
+        if self.mismatched.get(ident) != why:
+            self.mismatched[ident] = why
+            log.error("promotion_refused_fingerprint", service=service, instance=ident, fingerprint=mine,
+                      primary_fingerprint=ref, hint="serve the same checkpoint on every node of a service")
+        return why
+
     # -- claims ---------------------------------------------------------------------------------
     def claim(self, service: str, new: str, reason: str, failed: str | None) -> None:
         if service in self._busy:
@@ -151,13 +192,15 @@ class EtcdRoles:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def claim_planned(self, service: str, new: str) -> bool:
-        """An operator's switchover: replace the holder even though it is alive; True when won."""
+    async def claim_planned(self, service: str, new: str, reason: str = "planned") -> bool:
+        """An operator's switchover (``reason`` in PLANNED): replace the holder even though it is
+        alive; every router then lets it finish its in-flight requests; True when won."""
+        assert reason in PLANNED, reason
         while service in self._busy:
             await asyncio.sleep(0.01)
         self._busy.add(service)
         holder = self.holders.get(service) or Holder(None, 0)
-        await self._claim(service, new, "planned", self.to_local(holder.instance))
+        await self._claim(service, new, reason, self.to_local(holder.instance))
         return (self.holders.get(service) or Holder(None, 0)).instance == self.to_cluster(new)
 
     async def _claim(self, service: str, new: str, reason: str, failed: str | None) -> None:
@@ -168,6 +211,9 @@ class EtcdRoles:
             if holder.instance is not None and holder.instance != self.to_cluster(failed or "") \
                     and not self.claims.gone(service, local):
                 self.claims.follow(service, local, holder.revision)  # a live primary: etcd's, not ours
+                return
+            if (why := self.refusal(service, new)) is not None:
+                log.error("promotion_refused", service=service, candidate=new, reason=reason, why=why)
                 return
             value = json.dumps({"instance": self.to_cluster(new), "by": self.router_id,
                                 "reason": reason, "at": time.time(), "previous": holder.instance})
@@ -184,7 +230,8 @@ class EtcdRoles:
                 return
             cas_ms = round((time.monotonic() - t0) * 1e3, 2)
             if result.ok:
-                self.holders[service] = Holder(self.to_cluster(new), result.revision, self.router_id, time.time())
+                self.holders[service] = Holder(self.to_cluster(new), result.revision, self.router_id, time.time(),
+                                               reason)
                 self.promotions.append({"service": service, "instance": self.to_cluster(new),
                                         "previous": holder.instance, "revision": result.revision,
                                         "reason": reason, "at": time.time(), "cas_ms": cas_ms})
@@ -207,7 +254,8 @@ class EtcdRoles:
     def as_json(self) -> dict:
         return {"holders": {s: {"instance": h.instance, "revision": h.revision, "by": h.by, "at": h.at}
                             for s, h in self.holders.items()},
-                "promotions": self.promotions[-10:], "refused": self.refused}
+                "promotions": self.promotions[-10:], "refused": self.refused,
+                "fingerprints": dict(self.reference), "not_promoted": dict(self.mismatched)}
 
 
 def _json(value: str | None) -> dict:

@@ -93,6 +93,16 @@ class EtcdCluster:
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
 
+    def freeze(self, i: int) -> None:
+        """SIGSTOP of one member: its sockets stay open, it answers nothing (a hung member)."""
+        self.procs[i].send_signal(signal.SIGSTOP)
+
+    def thaw(self, i: int) -> None:
+        self.procs[i].send_signal(signal.SIGCONT)
+
+    def index(self, endpoint: str) -> int:
+        return self.endpoints.index(endpoint)
+
     def restart(self, i: int) -> None:
         self.kill(i)
         self._spawn(i, "existing")
@@ -100,6 +110,7 @@ class EtcdCluster:
     def stop(self) -> None:
         for proc in self.procs:
             if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)  # a frozen member would not act on SIGTERM
                 proc.terminate()
         for proc in self.procs:
             if proc is not None:
@@ -121,27 +132,46 @@ class EtcdCluster:
         self.stop()
 
 
-HAPROXY_TCP = """
+# What the front can and cannot do for a killed router (docs/cluster.md, "A router's kill"):
+# - observe layer4 + error-limit 1 + on-error mark-down: the first refused connection marks the dead
+#   router down, before its next check; fall 1 at inter 100 ms bounds the rest;
+# - retries 3 + "option redispatch 1": a refused connection is re-tried on another router at once
+#   (plain "option redispatch" only moves the last retry);
+# - no on-marked-down shutdown-sessions: a router marked down because it holds routing (etcd lost,
+#   /ready 503) keeps its running streams;
+# - TCP mode cannot move a running stream, nor a client's keep-alive connection spliced to the dead
+#   router. HTTP mode ends the clients' connections in HAProxy and re-sends a request that got no
+#   response byte (retry-on conn-failure empty-response): a stream whose router dies before its
+#   first event (the router sends its 200 only then) is re-issued on the other router; one that
+#   has sent bytes is still cut.
+HAPROXY_CFG = """
 global
     maxconn 2000
 defaults
-    mode tcp
+    mode {mode}
     timeout connect 1s
     timeout client 120s
     timeout server 120s
     retries 3
-    option redispatch
-listen front
+    option redispatch 1
+{http}listen front
     bind 127.0.0.1:{port}
     option httpchk GET /ready
 {servers}
 """
+HTTP_DEFAULTS = """    timeout http-request 10s
+    timeout http-keep-alive 60s
+    option http-buffer-request
+    retry-on conn-failure empty-response
+"""
 
 
 class Front:
-    """HAProxy in TCP mode in front of the routers, checking each one's /ready every ``inter_ms``."""
+    """HAProxy in front of the routers (``mode`` "tcp", or "http"), checking each one's /ready every
+    ``inter_ms``."""
 
-    def __init__(self, routers: list[str], *, inter_ms: int = 100) -> None:
+    def __init__(self, routers: list[str], *, inter_ms: int = 100, mode: str = "tcp") -> None:
+        assert mode in ("tcp", "http"), mode
         assert HAPROXY is not None, "haproxy is not installed (apt-get install haproxy)"
         self.port = free_port()
         self.inter_ms = inter_ms
@@ -149,7 +179,9 @@ class Front:
         servers = "\n".join(f"    server r{i} {hostport} check inter {inter_ms}ms fall 1 rise 2 "
                             f"observe layer4 error-limit 1 on-error mark-down"
                             for i, hostport in enumerate(routers))
-        (self.dir / "haproxy.cfg").write_text(HAPROXY_TCP.format(port=self.port, servers=servers))
+        self.mode = mode
+        (self.dir / "haproxy.cfg").write_text(HAPROXY_CFG.format(
+            mode=mode, port=self.port, servers=servers, http=HTTP_DEFAULTS if mode == "http" else ""))
         self.proc: subprocess.Popen | None = None
 
     @property

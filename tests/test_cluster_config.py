@@ -30,7 +30,22 @@ def test_a_cluster_node_listens_on_its_cluster_address():
     ({"etcd": ["http://e:2379"], "node": "a", "ttl": 0}, "ttl"),
     ({"etcd": ["http://e:2379"], "node": "a", "leader": True}, "leader"),
     ({"etcd": ["http://e:2379"]}, "node"),
+    ({"node": "a", "backend": "consul"}, "cluster.backend"),
+    ({"node": "a", "backend": "k8s"}, "cluster.namespace"),
 ])
 def test_bad_cluster_tables_are_refused_with_the_key_named(cluster, needle):
     with pytest.raises(ConfigError, match=needle):
         parse_config(with_cluster(**cluster))
+
+
+def test_a_kubernetes_backend_needs_no_etcd_and_finds_its_api_server_in_a_pod():
+    from failover.cluster.node import make_store
+    from failover_common.k8s_store import KubeStore
+
+    config = parse_config(with_cluster(node="a", backend="k8s", namespace="failover", ttl=4))
+    assert config.cluster.etcd == []
+    store = make_store(config.cluster, {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"})
+    assert isinstance(store, KubeStore) and store.endpoints == ["https://10.96.0.1:443"]
+    assert store.leases.namespace == "failover" and store.leases.cluster == "default" and store.poll == 0.5
+    with pytest.raises(ValueError, match="API server"):
+        make_store(config.cluster, {})

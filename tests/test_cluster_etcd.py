@@ -115,3 +115,53 @@ def test_no_endpoint_is_unavailable_not_a_refusal():
         finally:
             await c.close()
     run(main())
+
+
+def test_a_frozen_member_moves_calls_and_the_watch_to_another_and_keeps_the_lease(etcd):
+    """SIGSTOP of the member in use: its sockets stay open and silent. Every call has a deadline and
+    the watch's silence is checked, so both move on; a lease kept alive meanwhile never expires."""
+    async def main():
+        c = Etcd(etcd.endpoints, timeout=0.3)
+        seen: list[str] = []
+        moved: list[float] = []
+
+        async def watch():
+            rev = (await c.range("/t/f/", prefix=True))[1]
+            while True:
+                try:
+                    async for events in c.watch("/t/f/", prefix=True, start_revision=rev + 1, progress_timeout=0.3):
+                        for ev in events:
+                            seen.append(ev.kv.value)
+                            rev = ev.kv.mod_revision
+                except EtcdUnavailable:
+                    moved.append(time.monotonic())
+                    await asyncio.sleep(0.05)
+        lease = await c.grant(2)
+        task = asyncio.ensure_future(watch())
+        frozen = etcd.index(c.endpoints[0])
+        try:
+            await asyncio.sleep(0.5)
+            await c.put("/t/f/k", "before", lease)
+            while "before" not in seen:
+                await asyncio.sleep(0.02)
+            etcd.freeze(frozen)
+            t0 = time.monotonic()
+            for _ in range(12):  # 3 s: past the TTL of 2 s, kept alive every 0.25 s
+                await c.keepalive(lease)
+                await asyncio.sleep(0.25)
+            await c.put("/t/f/k", "during", lease)
+            while "during" not in seen:
+                assert time.monotonic() - t0 < 10, f"the watch stayed on the frozen member: {seen}"
+                await asyncio.sleep(0.05)
+            assert moved and moved[0] - t0 < 2.0, "the silent watch was not given up within its deadline"
+            assert c.endpoints[-1] == etcd.endpoints[frozen], c.endpoints  # asked last from now on
+            assert (await c.get("/t/f/k")).lease == lease, "the lease expired while one member froze"
+            assert seen == ["before", "during"], seen
+        finally:
+            etcd.thaw(frozen)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await c.revoke(lease)
+            await c.close()
+            etcd.wait_healthy(members=[frozen])
+    run(main())

@@ -9,6 +9,8 @@ completions through the front; each stream is compared with the undisturbed gree
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -23,7 +25,7 @@ pytestmark = [pytest.mark.slow,
 
 @pytest.fixture(scope="module")
 def rig(tiny_model):
-    r = Rig(tiny_model)
+    r = Rig(tiny_model, standbys_b=1)
     yield r
     r.close()
 
@@ -90,25 +92,67 @@ def test_kill_9_of_one_router_the_front_carries_on(rig):
     rig.settle()
 
 
-def test_kill_9_of_the_whole_primary_node_then_it_rejoins_as_standby(rig):
-    node = rig.node_of_primary()
+def admin(router, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "failover", *args, "--url", router.url, "--token-file",
+                          str(router.token_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr + out.stdout
+    return out.stdout
+
+
+def claims_after(rig, previous: str) -> list[dict]:
+    """Every won claim that replaced ``previous``, by the peer routers and the nodes' own."""
+    docs = [r.status()["cluster"] for r in rig.routers]
+    docs += [n.status()["cluster"] for n in rig.nodes.values() if n.proc.poll() is None]
+    return [p for d in docs for p in d["promotions"] if p["previous"] == previous]
+
+
+def test_kill_9_of_the_whole_primary_node_promotes_the_other_nodes_standby_then_it_rejoins(rig):
+    b = rig.nodes["b"]
+    if rig.node_of_primary() is not b:  # b has a standby beside its primary: the case to decide
+        admin(rig.routers[0], "promote", "chat", "--to", "chat-0@b")
+        rig.settle()
     before = rig.primary()
     s = rig.streaming()
-    node.kill()
+    b.kill()  # b's standby dies too, but the routers still count it ready until its probes fail
     wait_until(lambda: rig.primary() != before, 20, "a promotion")
     time.sleep(1.0)
     s.stop()
     assert_clean(s)
-    assert rig.primary().endswith("@" + rig.other(node).name)
-    node.start()
+    won = claims_after(rig, before)
+    assert len(won) == 1 and won[0]["instance"] == "chat-0@a", won  # never b's own standby
+    assert rig.primary() == "chat-0@a"
+    b.start()
     rig.settle()
-    assert rig.node_of_primary() is not node, "the restarted node took the primary back"
+    assert rig.node_of_primary() is not b, "the restarted node took the primary back"
+
+
+def test_drain_of_the_cluster_primary_switches_over_by_cas_then_drains_failing_nothing(rig):
+    before, version = rig.primary(), etcd_get(rig.etcd.endpoints, KEY)["version"]
+    node = rig.node_of_primary()
+    slot = before.rpartition("@")[0]
+    old_pid = next(x["pid"] for x in node.status()["supervisor"]["slots"] if x["slot"] == slot)
+    migrated = sum(rig.metric(r, "failover_router_migrations_total") for r in rig.routers)
+    s = rig.streaming()
+    out = admin(rig.routers[0], "drain", before)
+    assert "drained=True" in out, out  # r1's in-flight requests on it finished there
+    key = etcd_get(rig.etcd.endpoints, KEY)
+    assert key["version"] == version + 1 and key["value"]["previous"] == before, key
+    assert key["value"]["reason"] == "drain" and key["value"]["by"] == "r1"
+    rig.settle()  # every router on the new primary; the drained one back as a fresh standby
+    s.stop()
+    assert_clean(s)
+    assert rig.primary() != before and etcd_get(rig.etcd.endpoints, KEY)["version"] == version + 1
+    new_pid = next(x["pid"] for x in node.status()["supervisor"]["slots"] if x["slot"] == slot)
+    assert new_pid != old_pid, "the drained engine was not recycled"
+    # handed over, not fenced: no stream was cut and re-issued elsewhere
+    assert sum(rig.metric(r, "failover_router_migrations_total") for r in rig.routers) == migrated
 
 
 def test_sigstop_of_a_whole_node_past_the_ttl_is_fenced_and_never_primary_again(rig):
     node = rig.node_of_primary()
     before = rig.primary()
-    old_engines = node.engine_pids()
+    slot = before.rpartition("@")[0]
+    old_engine = next(x["pid"] for x in node.status()["supervisor"]["slots"] if x["slot"] == slot)
     s = rig.streaming()
     pids = node.freeze()
     try:
@@ -131,15 +175,47 @@ def test_sigstop_of_a_whole_node_past_the_ttl_is_fenced_and_never_primary_again(
             seen_primary_at.append(time.monotonic() - t_cont)
         for r in rig.routers:
             assert r.primary() != before, f"{r.name} routes to the fenced instance again"
-        if doc["supervisor"]["cluster"]["registrations"] >= 2 and mine and mine[0]["role"] == "standby":
+        if doc["supervisor"]["cluster"]["registrations"] >= 2 and mine and all(
+                i["role"] == "standby" for i in mine if i["name"] == slot):
             break
         assert time.monotonic() - t_cont < 60, doc
         time.sleep(0.05)
     # its own router may still hold the old role until it reads etcd's events (the first poll)
     assert all(t < 0.5 for t in seen_primary_at), seen_primary_at
-    assert set(node.engine_pids()).isdisjoint(old_engines), "the fenced engine was not stopped"
+    # the fenced primary's engine is a new process (a standby beside it, on node b, is not fenced)
+    assert old_engine not in node.engine_pids(), "the fenced engine was not stopped"
     assert rig.primary() != before
     rig.settle()
+
+
+def test_sigstop_of_the_etcd_member_in_use_moves_everyone_off_it_and_a_promotion_still_works(rig):
+    # the member that router r1 asks first (every client starts on the same one unless it moved)
+    frozen = rig.etcd.index(rig.routers[0].status()["cluster"]["etcd"][0])
+    registrations = {n.name: n.status()["supervisor"]["cluster"]["registrations"] for n in rig.nodes.values()}
+    s = rig.streaming()
+    rig.etcd.freeze(frozen)
+    try:
+        time.sleep(3.0)  # past the TTL (2 s): leases kept alive through the other members
+        for n in rig.nodes.values():
+            assert etcd_get(rig.etcd.endpoints[frozen + 1:] + rig.etcd.endpoints[:frozen],
+                            f"/failover/test/nodes/{n.name}") is not None, f"node {n.name}'s lease expired"
+        node = rig.node_of_primary()
+        before = rig.primary()
+        signal_all(node.engine_pids(), signal.SIGKILL)  # a promotion while the member is frozen
+        wait_until(lambda: rig.primary() != before, 20, "a promotion with one member frozen")
+        rig.settle()  # both routers follow, the killed engine is back as the standby
+        s.stop()
+        assert_clean(s)
+        for r in rig.routers:
+            doc = r.status()["cluster"]
+            assert not doc["held"] and doc["etcd"][0] != rig.etcd.endpoints[frozen], doc["etcd"]
+        for n in rig.nodes.values():
+            doc = n.status()["supervisor"]["cluster"]
+            assert doc["registrations"] == registrations[n.name], "a node lost its lease to a frozen member"
+            assert doc["etcd"][0] != rig.etcd.endpoints[frozen]
+    finally:
+        rig.etcd.thaw(frozen)
+        rig.etcd.wait_healthy(members=[frozen])
 
 
 def test_kill_9_of_one_etcd_member_then_a_failover_still_goes_through(rig):

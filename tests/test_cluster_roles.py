@@ -37,12 +37,12 @@ def engines(procs, tiny_model):
     return start_engines(procs, tiny_model, ["e-x", "e-y", "e-z"])
 
 
-async def register(client: Etcd, engines, nodes=("x", "y", "z")) -> int:
-    lease = await client.grant(30)
-    for e, node in zip(engines, nodes):
+async def register(client: Etcd, engines, nodes=("x", "y", "z"), fingerprints=None, lease=0) -> int:
+    lease = lease or await client.grant(30)
+    for e, node, fp in zip(engines, nodes, fingerprints or [None] * len(nodes)):
         await client.put(f"{PREFIX}nodes/{node}", json.dumps({"node": node, "at": time.time()}), lease)
         rec = {"service": "tiny", "slot": "tiny-0", "node": node, "url": e.url, "role": "standby",
-               "ready": True, "pid": e.proc.pid}
+               "ready": True, "pid": e.proc.pid} | ({"fingerprint": fp} if fp else {})
         await client.put(f"{PREFIX}instances/tiny/tiny-0@{node}", json.dumps(rec), lease)
     return lease
 
@@ -142,3 +142,32 @@ async def test_a_standby_on_another_node_is_preferred_to_one_beside_the_failed_p
     assert roles.rank("chat-1@x", failed="chat-0@x") < roles.rank("chat-1@z", failed="chat-0@x")
     node_router = EtcdRoles(None, "t", "node-x", node="x")  # a node router names its slots alone
     assert node_router.to_cluster("chat-1") == "chat-1@x" and node_router.to_local("chat-0@y") is None
+
+
+async def test_a_standby_serving_another_model_fingerprint_is_never_promoted(etcd, engines):
+    from router.errors import AdminError
+
+    client = Etcd(etcd.endpoints)
+    await client.delete(PREFIX, prefix=True)
+    lease = await register(client, engines[:1], nodes=("x",), fingerprints=["f-same"])
+    try:
+        async with peer(etcd.endpoints, "r1") as r1:
+            await wait_for(lambda: routed(r1) == "tiny-0@x", 20, "x primary")
+            await register(client, engines[1:3], nodes=("y", "z"), fingerprints=["f-other", "f-same"], lease=lease)
+            svc = r1.services["tiny"]
+            await wait_for(lambda: all(n in svc.instances and svc.instances[n].ready for n in ("tiny-0@y", "tiny-0@z")),
+                           20, "y and z ready standbys")
+            with pytest.raises(AdminError, match="fingerprint f-other differs"):
+                await r1.promote("tiny", to="tiny-0@y")
+            kill(engines[0].proc)  # y would rank as well as z: only z serves the same model
+            await wait_for(lambda: routed(r1) == "tiny-0@z", 20, "z promoted, never y")
+            kill(engines[2].proc)  # now only y is left, and it serves another model: no promotion
+            await asyncio.sleep(1.5)
+            assert routed(r1) is None and json.loads((await client.get(f"{PREFIX}primary/tiny")).value)[
+                "instance"] == "tiny-0@z"
+            status = r1.status()["cluster"]
+            assert "differs from the primary's f-same" in status["not_promoted"]["tiny-0@y"], status
+            assert status["fingerprints"] == {"tiny": "f-same"}
+    finally:
+        await client.revoke(lease)
+        await client.close()

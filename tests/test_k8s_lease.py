@@ -17,65 +17,14 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
+from k8s_standin import StandIn
+
 from failover_common.etcd import EtcdError, EtcdUnavailable
 from failover_common.k8s_lease import RECORD, KubeLeases, expired, lease_name
 from failover_common.ports import free_port
 from router.roles import Claims, EtcdRoles
 
 pytestmark = pytest.mark.asyncio
-BASE = "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"
-
-
-class StandIn:
-    def __init__(self) -> None:
-        self.leases: dict[str, dict] = {}
-        self.rv = 100
-        self.requests: list[tuple[str, str, dict | None, str]] = []
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.add_routes([web.post(BASE, self.create), web.get(BASE + "/{name}", self.get),
-                        web.put(BASE + "/{name}", self.replace)])
-        return app
-
-    async def _log(self, request: web.Request) -> dict | None:
-        body = await request.json() if request.can_read_body else None
-        self.requests.append((request.method, request.path, body, request.headers.get("Authorization", "")))
-        return body
-
-    def _auth(self, request: web.Request) -> web.Response | None:
-        if request.headers.get("Authorization") != "Bearer sekrit":
-            return web.json_response({"kind": "Status", "message": "Unauthorized"}, status=401)
-        return None
-
-    def _store(self, body: dict) -> dict:
-        stored = dict(body)
-        self.rv += 1
-        stored["metadata"] = dict(body["metadata"], resourceVersion=str(self.rv))
-        self.leases[body["metadata"]["name"]] = stored
-        return stored
-
-    async def create(self, request: web.Request) -> web.Response:
-        body = await self._log(request)
-        if (denied := self._auth(request)) is not None:
-            return denied
-        if body["metadata"]["name"] in self.leases:
-            return web.json_response({"kind": "Status", "reason": "AlreadyExists"}, status=409)
-        return web.json_response(self._store(body), status=201)
-
-    async def get(self, request: web.Request) -> web.Response:
-        await self._log(request)
-        lease = self.leases.get(request.match_info["name"])
-        return web.json_response(lease or {"kind": "Status", "reason": "NotFound"}, status=200 if lease else 404)
-
-    async def replace(self, request: web.Request) -> web.Response:
-        body = await self._log(request)
-        cur = self.leases.get(request.match_info["name"])
-        if cur is None:
-            return web.json_response({"kind": "Status", "reason": "NotFound"}, status=404)
-        if body["metadata"].get("resourceVersion") != cur["metadata"]["resourceVersion"]:
-            return web.json_response({"kind": "Status", "reason": "Conflict"}, status=409)
-        return web.json_response(self._store(body))
 
 
 @pytest_asyncio.fixture
@@ -100,7 +49,7 @@ async def test_one_of_many_creators_wins_and_replace_needs_the_current_resource_
     results = await asyncio.gather(*(leases.swap(key, 0, v) for v in values))
     winners = [r for r in results if r.ok]
     assert len(winners) == 1
-    lease = stand_in.leases[lease_name(key)]
+    lease = stand_in.leases[("failover", lease_name(key))]
     assert lease_name(key) == "failover-prod-primary-chat"
     won = json.loads(lease["metadata"]["annotations"][RECORD])["instance"]
     assert lease["spec"]["holderIdentity"] == won
@@ -158,3 +107,33 @@ async def test_bad_token_and_no_server_are_told_apart(api, tmp_path):
             await gone.get("/failover/x/primary/y")
     finally:
         await gone.close()
+
+
+async def test_the_lease_store_drops_keys_whose_heartbeat_expired_and_its_watch_says_so(api):
+    from failover_common.etcd import LeaseLost
+    from failover_common.k8s_store import KubeStore
+
+    _, leases = api
+    store = KubeStore(leases, poll=0.1)
+    lease = await store.grant(1)
+    await store.put("/failover/default/nodes/a", '{"node": "a"}', lease)
+    await store.put("/failover/default/primary/chat", '{"instance": "chat-0@a"}')  # no owner
+    kvs, _ = await store.range("/failover/default/", prefix=True)
+    assert sorted(kv.key for kv in kvs) == ["/failover/default/nodes/a", "/failover/default/primary/chat"]
+    assert next(kv for kv in kvs if kv.key.endswith("/a")).lease == lease
+    assert await store.keepalive(lease) == 1
+    watch = store.watch("/failover/default/", prefix=True)
+    seen = []
+    async with asyncio.timeout(5):
+        async for events in watch:  # nothing renews the heartbeat: its keys go after 1 s
+            seen += [(e.kind, e.kv.key) for e in events]
+            if seen:
+                break
+    await watch.aclose()
+    assert seen == [("delete", "/failover/default/nodes/a")]
+    with pytest.raises(LeaseLost):
+        await store.keepalive(lease)
+    with pytest.raises(LeaseLost):
+        await store.put("/failover/default/nodes/a", "{}", lease)
+    assert [kv.key for kv in (await store.range("/failover/default/", prefix=True))[0]] == \
+        ["/failover/default/primary/chat"]

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+import json
+
+from failover.config.argv import daemon_argv
 from failover.config.schema import ConfigError, parse_config
-from failover.node.engine_kinds import kind_of, needs_cache, vllm_argv, vllm_kv_bytes
+from failover.node.engine_kinds import kind_of, needs_cache, needs_zygote, vllm_argv, vllm_kv_bytes
 
 
 def _raw(**service) -> dict:
@@ -24,7 +27,26 @@ def test_a_vllm_service_builds_vllms_command_line_with_its_args_last():
     assert argv[-1] == "--enforce-eager" and argv[argv.index("--max-model-len") + 1] == "512"
     assert vllm_kv_bytes(svc, primary=True) == 1 << 30
     assert kind_of(svc).probe_path == "/health" and kind_of(svc).tree and not kind_of(svc).resizable_kv
-    assert not needs_cache(config)
+    assert needs_cache(config) and not needs_zygote(config)  # weights = "cache" is the default
+
+
+def test_a_vllm_service_maps_the_daemons_weights_by_default_and_the_daemon_packs_vllms_layout():
+    config = parse_config(_raw(engine="vllm", engine_args=["--enforce-eager"], max_model_len=512,
+                               engine_python="/opt/v/bin/python"))
+    argv = vllm_argv(config, config.service[0], 9100, 1 << 28, report="/tmp/fo-x/chat-0.weights.json")
+    assert argv[argv.index("--load-format") + 1] == "failover"
+    extra = json.loads(argv[argv.index("--model-loader-extra-config") + 1])
+    assert extra == {"socket": str(config.daemon_socket), "report": "/tmp/fo-x/chat-0.weights.json"}
+    d = daemon_argv(config)
+    assert d[d.index("--engine") + 1] == "vllm" and d[d.index("--engine-python") + 1] == "/opt/v/bin/python"
+    assert "--engine-arg=--enforce-eager" in d and "--engine-arg=--max-model-len=512" in d
+
+
+def test_weights_disk_opts_a_vllm_service_out_of_the_daemon():
+    config = parse_config(_raw(engine="vllm", weights="disk", engine_args=["--load-format=safetensors"]))
+    argv = vllm_argv(config, config.service[0], 9100, 1 << 28)
+    assert "--model-loader-extra-config" not in argv and argv[-1] == "--load-format=safetensors"
+    assert not needs_cache(config) and "--engine" not in daemon_argv(config)
 
 
 def test_a_vllm_standby_gets_the_full_pool_unless_told_otherwise():
@@ -37,7 +59,19 @@ def test_a_vllm_standby_gets_the_full_pool_unless_told_otherwise():
     ({"engine": "vllm", "command": ["vllm", "serve"]}, "builds its own command line"),
     ({"engine_args": ["--enforce-eager"]}, 'only for engine = "vllm"'),
     ({"engine": "sglang"}, "engine"),
+    ({"engine": "vllm", "weights": "ram"}, r"service\[0\]\.weights"),
+    ({"weights": "disk"}, "bundled engine always maps"),
+    ({"engine": "vllm", "engine_args": ["--load-format", "auto"]}, "set by the supervisor"),
 ])
 def test_bad_engine_settings_are_refused_naming_the_key(service, words):
     with pytest.raises(ConfigError, match=words):
         parse_config(_raw(**service))
+
+
+def test_vllm_services_that_map_the_daemon_cannot_share_a_node_with_the_bundled_engine():
+    raw = _raw(engine="vllm")
+    raw["service"].append({"name": "ours", "port": 9200})
+    with pytest.raises(ConfigError, match='two layouts.*weights = "disk"'):
+        parse_config(raw)
+    raw["service"][0]["weights"] = "disk"
+    assert needs_cache(parse_config(raw))  # ours still maps it

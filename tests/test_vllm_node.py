@@ -107,7 +107,7 @@ def vllm_node(procs, run_dir):
 def test_vllm_primary_and_standby_fail_over_migrate_switch_and_leave_nothing(vllm_node):
     node = vllm_node
     primary, standby = wait_until(node.serving_pair, 60, "a ready vLLM primary and standby")
-    assert node.slot(primary["name"])["weights_source"] == "disk"
+    assert node.slot(primary["name"])["weights_source"] == "cache"  # weights = "cache" is the default
     trees = {p["pid"]: _tree_shm(p["pid"]) for p in (primary, standby)}
     assert all(len(members) >= 3 for members, _ in trees.values()), trees  # API server, EngineCore, Worker
     killed_members, killed_shm = trees[primary["pid"]]

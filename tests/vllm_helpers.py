@@ -42,11 +42,11 @@ class VllmServer:
     """``python -m vllm.entrypoints.openai.api_server`` in its own session; ``stop()`` ends the whole
     process group and removes the /dev/shm files it mapped (a killed tree leaves them)."""
 
-    def __init__(self, model: Path, port: int, log: Path, name: str = "tiny") -> None:
+    def __init__(self, model: Path, port: int, log: Path, name: str = "tiny", extra: tuple[str, ...] = ()) -> None:
         self.port, self.log = port, log
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name,
-                "--kv-cache-memory-bytes", str(256 << 20), *VLLM_FLAGS]
+                "--kv-cache-memory-bytes", str(256 << 20), *VLLM_FLAGS, *extra]
         self._out = open(log, "wb")
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT,
                                      start_new_session=True)

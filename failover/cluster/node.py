@@ -19,7 +19,6 @@ Ownership: it owns its etcd client (closed in ``close()``) and its lease (revoke
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import time
@@ -27,34 +26,35 @@ from pathlib import Path
 
 import structlog
 
-from cache_daemon.fingerprint import model_identity
-from failover.config.schema import Config
+from failover.cluster.fingerprint import fingerprint
+from failover.config.schema import ClusterConfig, Config
 from failover.procs.slots import Slot
 from failover_common.etcd import Etcd, EtcdError, EtcdUnavailable, LeaseLost
+from failover_common.k8s_store import KubeStore, in_cluster_defaults
 from router.cluster import ClusterView, join
 from router.roles import EtcdRoles, cluster_prefix, instance_id
 
 log = structlog.get_logger(__name__)
 
 
-def fingerprint(config: Config) -> dict:
-    """What the node's weights are, for the records (the daemon compares the full fingerprint)."""
-    m = config.model
-    try:
-        identity = model_identity(Path(m.path).resolve())
-    except (OSError, ValueError) as exc:  # the daemon reports the real error; the record says unknown
-        identity = f"unknown: {exc}"
-    doc = {"model": m.path, "identity": identity, "dtype": m.dtype, "tp": m.tp,
-           "transform": m.transform, "device": m.device}
-    doc["key"] = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:12]
-    return doc
+def make_store(c: ClusterConfig, env) -> Etcd | KubeStore:
+    """The node's store: etcd, or Kubernetes Leases (``backend = "k8s"``; in a pod the API server
+    and the service account come from ``env`` and its files). Each call's deadline, per member, is
+    ttl/4 (0.2 - 1 s): a frozen member costs that much, well inside the TTL."""
+    deadline = max(0.2, min(1.0, c.ttl / 4))
+    if c.backend == "k8s":
+        api, token, ca = in_cluster_defaults(c.api, Path(c.token_file) if c.token_file else None,
+                                             Path(c.ca_file) if c.ca_file else None, env)
+        return KubeStore.connect(api, c.namespace, c.name, token_file=token, ca_file=ca, timeout=deadline,
+                                 poll=max(0.1, c.ttl / 8))
+    return Etcd(c.etcd, timeout=deadline)
 
 
 class NodeCluster:
     def __init__(self, config: Config, slots: dict[str, Slot]) -> None:
         assert config.cluster is not None
         self.config, self.c, self.slots = config, config.cluster, slots
-        self.etcd = Etcd(self.c.etcd, timeout=max(0.2, min(1.0, self.c.ttl / 4)))
+        self.etcd = make_store(self.c, os.environ)
         self.roles = EtcdRoles(self.etcd, self.c.name, router_id=f"node-{self.c.node}", node=self.c.node)
         self.prefix = cluster_prefix(self.c.name)
         self.view: ClusterView | None = None
@@ -64,8 +64,10 @@ class NodeCluster:
         self.registrations = 0
         self.published: dict[str, str] = {}  # key -> value last written under the current lease
         self.changed = asyncio.Event()
-        self.fingerprint = fingerprint(config)
+        m = config.model
+        self.fingerprint = fingerprint(m.path, dtype=m.dtype, tp=m.tp, transform=m.transform, device=m.device)
         self._task: asyncio.Task | None = None
+        self._full_at = 0.0
 
     def attach(self, router) -> None:
         """``router`` was built with ``roles=self.roles``; follow etcd and republish on role changes."""
@@ -98,6 +100,10 @@ class NodeCluster:
         return f"{self.prefix}instances/{slot.service}/{instance_id(slot.name, self.c.node)}"
 
     async def _publish(self) -> None:
+        if time.monotonic() - self._full_at > self.c.ttl:
+            # every record again once per TTL: a write that a frozen member received, timed out
+            # here and applied after it thawed cannot leave an older record in place for longer
+            self.published, self._full_at = {}, time.monotonic()
         node_key = f"{self.prefix}nodes/{self.c.node}"
         await self.etcd.put(node_key, json.dumps({**self.node_record(), "fingerprint": self.fingerprint}),
                             self.lease)
@@ -159,4 +165,4 @@ class NodeCluster:
     def status(self) -> dict:
         return {"node": self.c.node, "lease": f"{self.lease:x}" if self.lease else None,
                 "registered_at": self.registered_at, "registrations": self.registrations,
-                "fingerprint": self.fingerprint}
+                "etcd": list(self.etcd.endpoints), "fingerprint": self.fingerprint}

@@ -41,6 +41,7 @@ def cluster_lines(c: dict, now: float | None = None) -> list[str]:
     lines += ["", *_table(("service", "primary in etcd", "revision (fencing token)", "written by"), [
         (s, str(h.get("instance")), str(h.get("revision")), str(h.get("by") or "-"))
         for s, h in sorted(holders.items())])]
+    lines += [f"NOT PROMOTED {ident}: {why}" for ident, why in sorted((c.get("not_promoted") or {}).items())]
     routers = c.get("routers") or {}
     lines += ["", *_table(("router", "url", "seen", "routing to", "record age"), [
         (rid, str(r.get("url") or "-"),

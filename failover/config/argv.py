@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import sys
+
 from failover.config.schema import Config, ServiceConfig
 
 
 def daemon_argv(config: Config) -> list[str]:
     """``failover daemon`` options for this node's model (run as ``python -m cache_daemon``)."""
     m = config.model
-    return ["--model", m.path, "--run-dir", config.run_dir, "--tp", str(m.tp), "--device", m.device,
+    argv = ["--model", m.path, "--run-dir", config.run_dir, "--tp", str(m.tp), "--device", m.device,
             "--dtype", m.dtype, "--transform", m.transform, "--log-level", config.supervisor.log_level,
             "--progress", "off"]  # the supervisor shows the load's progress (failover.node.load_watch)
+    vllm = next((s for s in config.service if s.engine == "vllm" and s.weights == "cache"), None)
+    if vllm is not None:  # vLLM's own loading, packed for `--load-format failover` (docs/vllm.md)
+        argv += ["--engine", "vllm", "--engine-python", vllm.engine_python or sys.executable,
+                 *(f"--engine-arg={arg}" for arg in vllm.engine_args)]
+        if vllm.max_model_len:
+            argv.append(f"--engine-arg=--max-model-len={vllm.max_model_len}")
+    return argv
 
 
 def engine_argv(config: Config, svc: ServiceConfig, port: int, kv_bytes: int) -> list[str]:

@@ -15,16 +15,22 @@ TEMPLATE_FIELDS = ("model", "host", "port", "name", "service", "socket", "tp", "
 def check_engine(key: str, svc) -> list[str]:
     if svc.engine == "failover":
         unused = [k for k in ("engine_args", "engine_python", "engine_env") if getattr(svc, k)]
-        return [f"{key}.{k}: only for engine = \"vllm\"; remove it (or set engine)" for k in unused]
+        problems = [f"{key}.{k}: only for engine = \"vllm\"; remove it (or set engine)" for k in unused]
+        if svc.weights != "cache":
+            problems.append(f"{key}.weights: the bundled engine always maps the cache daemon's weights; "
+                            "weights = \"disk\" is only for engine = \"vllm\"")
+        return problems
     problems = []
     if svc.command is not None:
         problems.append(f"{key}.command: engine = {svc.engine!r} builds its own command line; remove command "
                         "(extra flags go in engine_args)")
     owned = {"--model", "--port", "--host", "--served-model-name", "--kv-cache-memory-bytes"}
+    if svc.weights == "cache":
+        owned |= {"--load-format", "--model-loader-extra-config"}
     for arg in svc.engine_args:
         if arg.split("=", 1)[0] in owned:
             problems.append(f"{key}.engine_args: {arg!r} is set by the supervisor (from model.path, the "
-                            "service's name, port and kv_memory); remove it")
+                            "service's name, port, kv_memory and weights); remove it")
     return problems
 
 

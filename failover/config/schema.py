@@ -64,6 +64,7 @@ class RouterConfig(_Base):
     max_upstream: PositiveInt = 128  # requests in flight to one instance at once
     upstream_queue_size: NonNegativeInt = 1024  # requests waiting in the router for one of those
     loop_lag_tolerance: Positive = 0.1  # a probe timed out while the router's loop lagged more: not counted
+    hang_probe_timeout: NonNegative = 0.1  # every stream of the primary silent + a probe unanswered this long: hung (0: off)
     replace_settle_timeout: NonNegative = 2.0  # a replacement waits at most this for the failover to settle
 
     @property
@@ -143,6 +144,9 @@ class ServiceConfig(_Base):
     engine_args: list[str] = []  # passed through to the engine's command line as they are (vllm)
     engine_python: str | None = None  # the interpreter that has vllm installed (default: ours)
     engine_env: dict[str, str] = {}  # added to the engine's environment (vllm: VLLM_* settings)
+    # vllm: "cache" maps the weights from the node's cache daemon (`--load-format failover`, the daemon
+    # packs vLLM's own loading); "disk": vLLM reads the checkpoint itself (docs/vllm.md, "Weights")
+    weights: Literal["cache", "disk"] = "cache"
     command: list[str] | None = None  # external engine: argv template with {port}, {model}, ...
     ready_path: str = "/ready"  # for external engines (vllm: /health, always)
     batch: BatchConfig | None = None
@@ -172,10 +176,16 @@ class ServiceConfig(_Base):
 
 
 class ClusterConfig(_Base):
-    """``[cluster]``: this node is one of several; roles are decided in etcd (docs/cluster.md)."""
+    """``[cluster]``: this node is one of several; roles are decided in etcd, or in Kubernetes
+    Lease objects (``backend = "k8s"``) where there is no etcd (docs/cluster.md)."""
 
-    etcd: list[str]  # endpoints, e.g. ["http://10.0.0.5:2379", "http://10.0.0.6:2379"]
     node: str  # this node's name in the cluster, unique
+    etcd: list[str] = []  # endpoints, e.g. ["http://10.0.0.5:2379", "http://10.0.0.6:2379"]
+    backend: str = "etcd"  # or "k8s": Lease objects through the Kubernetes API
+    namespace: str = ""  # k8s: the namespace of the Leases
+    api: str | None = None  # k8s: the API server (default in a pod: from KUBERNETES_SERVICE_HOST)
+    token_file: str | None = None  # k8s: bearer token (default in a pod: the service account's)
+    ca_file: str | None = None  # k8s: the API server's CA (default in a pod: the service account's)
     ttl: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 5  # lease TTL (s): a node silent this long is out
     name: str = "default"  # the cluster's name: its keys live under /failover/<name>/
     host: str = "127.0.0.1"  # the address this node's engines listen on and are reached at
@@ -252,8 +262,12 @@ def _check_cluster(c: ClusterConfig | None) -> list[str]:
     if c is None:
         return []
     problems = []
-    if not c.etcd:
+    if c.backend not in ("etcd", "k8s"):
+        problems.append(f"cluster.backend: {c.backend!r} is not one of \"etcd\", \"k8s\"")
+    elif c.backend == "etcd" and not c.etcd:
         problems.append("cluster.etcd: give at least one endpoint, e.g. [\"http://127.0.0.1:2379\"]")
+    elif c.backend == "k8s" and not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", c.namespace):
+        problems.append(f"cluster.namespace: {c.namespace!r}: with backend = \"k8s\" give the Leases' namespace")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", c.node):
         problems.append(f"cluster.node: {c.node!r} must be 1-63 letters, digits, '.', '_' or '-'")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", c.name):
@@ -297,6 +311,12 @@ def _check_services(config: Config) -> list[str]:
         problems.append("service: at least one [[service]] table is needed")
     if len(str(config.daemon_socket).encode()) > 100:
         problems.append(f"run_dir: {config.run_dir!r} is too long for a unix socket path; use a short path such as /run/failover")
+    ours = [s.name for s in config.service if s.engine == "failover"]
+    mapped_vllm = [s.name for s in config.service if s.engine == "vllm" and s.weights == "cache"]
+    if ours and mapped_vllm:
+        problems.append(f"service: {', '.join(mapped_vllm)} (engine = \"vllm\") and {', '.join(ours)} (the bundled "
+                        "engine) would need two layouts of the weights from the node's one cache daemon; give the "
+                        "vLLM service(s) weights = \"disk\", or run them on another node")
     owner: dict[int, str] = {config.router.port: "router.port"}
     seen: set[str] = set()
     for i, svc in enumerate(config.service):

@@ -25,7 +25,7 @@ def router_config(config: Config) -> RouterConfig:
                         max_body_bytes=r.max_body_bytes, max_buffered_bytes=r.max_buffered_bytes,
                         body_timeout=r.body_timeout, max_upstream=r.max_upstream,
                         upstream_queue_size=r.upstream_queue_size, loop_lag_tolerance=r.loop_lag_tolerance,
-                        replace_settle_timeout=r.replace_settle_timeout,
+                        replace_settle_timeout=r.replace_settle_timeout, hang_probe_timeout=r.hang_probe_timeout,
                         drain_timeout=sup.drain_timeout, fence_timeout=sup.stop_timeout + 5.0,
                         shutdown_timeout=sup.drain_timeout)
 

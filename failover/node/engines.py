@@ -18,7 +18,8 @@ import structlog
 from failover.config.argv import engine_argv, external_argv
 from failover.config.kv import standby_bytes
 from failover.config.schema import Config, ServiceConfig
-from failover.node.engine_kinds import kind_of, vllm_argv, vllm_env, vllm_kv_bytes
+from failover.node.engine_kinds import (kind_of, read_weights_report, vllm_argv, vllm_env, vllm_kv_bytes,
+                                        weights_report)
 from failover.procs import slots
 from failover.procs.slots import Slot
 from failover.procs import child as processes
@@ -72,7 +73,8 @@ class EngineStarter:
             raise
         if isinstance(child, TreeChild):
             child.scan()  # its shared-memory files, removed after it (failover.procs.tree)
-            info = {"weights_source": "disk"}  # vLLM's /health has no body; it loads its own weights
+            # vLLM's /health has no body: its model loader (failover_vllm) reported where its weights came from
+            info = read_weights_report(weights_report(self.config, slot.name), svc)
         slot.ready_at, slot.ready_info = time.monotonic(), info
         slot.kv_bytes = info.get("kv_bytes") if isinstance(info.get("kv_bytes"), int) else None
         slot.change(slots.RUNNING, "ready", pid=child.pid, weights_source=info.get("weights_source"),
@@ -80,7 +82,10 @@ class EngineStarter:
 
     async def _start_process(self, slot: Slot, svc: ServiceConfig, on_exit, kv: int) -> Child:
         if svc.engine == "vllm":
-            return processes.spawn(slot.name, vllm_argv(self.config, svc, slot.port, kv), on_exit=on_exit,
+            report = weights_report(self.config, slot.name)
+            report.unlink(missing_ok=True)  # a previous instance's: not this one's word
+            argv = vllm_argv(self.config, svc, slot.port, kv, report=report)
+            return processes.spawn(slot.name, argv, on_exit=on_exit,
                                    env=vllm_env(self.config, svc), stdout=self.child_output, cls=TreeChild)
         if svc.command is not None:
             return processes.spawn(slot.name, external_argv(self.config, svc, slot.name, slot.port),

@@ -49,6 +49,8 @@ class RunDir:
         run = self.config.run_path
         (run / "supervisor.pid").unlink(missing_ok=True)
         self.config.engine_token_path.unlink(missing_ok=True)
+        for report in run.glob("*.weights.json"):  # a vLLM instance's that never became ready (engine_kinds)
+            report.unlink(missing_ok=True)
         if self.made_token:
             self.config.token_path.unlink(missing_ok=True)
         if self.made_dir or owns_dir:

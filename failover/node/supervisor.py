@@ -32,7 +32,7 @@ from failover.procs import slots
 from failover.node.bridge import NodeLauncher, NodeRouter, router_config
 from failover.node.daemon import CacheDaemon
 from failover.config.kv import standby_bytes
-from failover.node.engine_kinds import kind_of, needs_cache
+from failover.node.engine_kinds import kind_of, needs_cache, needs_zygote
 from failover.node.engines import EngineStarter
 from failover.node.kv_pools import PoolSizer
 from failover.node import status_view
@@ -104,10 +104,12 @@ class Supervisor:
         become_subreaper()
         asyncio.get_running_loop().add_signal_handler(signal.SIGCHLD, self._reap_orphans)
         self.engines.session = aiohttp.ClientSession()
-        if needs_cache(self.config):
-            self.progress(f"starting the cache daemon ({self.config.model.path}) and the zygote")
-            await asyncio.gather(self.daemon.start(), self._start_zygote())
-        else:  # vLLM (or command) services only: no engine of ours maps anything or forks from a zygote
+        daemon, zygote = needs_cache(self.config), needs_zygote(self.config)
+        if daemon or zygote:
+            what = " and ".join(w for w, on in (("the cache daemon", daemon), ("the zygote", zygote)) if on)
+            self.progress(f"starting {what} ({self.config.model.path})")
+            await asyncio.gather(*([self.daemon.start()] if daemon else []), *([self._start_zygote()] if zygote else []))
+        if not daemon:  # vLLM services with weights = "disk" only: nothing maps the daemon's weights
             log.info("daemon_not_needed", engines=sorted({s.engine for s in self.config.service}))
         self.coserve.open()  # batch files first: a batch that cannot write its output never starts
         launching = [slot for slot in self.slots.values() if not slot.hold]

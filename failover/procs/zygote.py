@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         importlib.import_module(module)
     if "cache_daemon.client" in preload:  # on CUDA: the driver library and symbols, but no cuInit
         importlib.import_module("cache_daemon.client").preload(a.device)
+    if "engine.cli" in preload:  # on CUDA: Triton's CUDA-free first-launch work (engine.fused.preload)
+        importlib.import_module("engine.cli").preload(a.device)
     return serve(sock, preload, time.perf_counter() - t0)
 
 

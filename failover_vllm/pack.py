@@ -1,0 +1,153 @@
+"""The daemon's loader child for vLLM's layout: ``python -m failover_vllm.pack ...`` (spawned by
+``cache_daemon.loading`` with ``--engine vllm``, under the interpreter that has vllm).
+
+It runs vLLM's own loading in this process (vLLM's config from the same flags the instances get,
+``DefaultModelLoader``: fused ``qkv_proj`` / ``gate_up_proj``, the rank's TP shard, then
+``process_weights_after_loading`` with the CPU GEMM pre-pack left out, see failover_vllm.layout),
+takes every tensor of the result (failover_vllm.layout.named_tensors), packs them into one arena
+(memfd on CPU, CUDA VMM on GPU: cache_daemon.loader.ArenaWriter) and registers it with the daemon
+under the vLLM fingerprint (failover_vllm.fingerprint). Then it exits; the arena outlives it.
+
+Only ``--tp 1`` for now: vLLM's loading needs its tensor-parallel group, i.e. one process per rank
+rendezvousing together; that is not written yet, and is refused with a message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import sys
+import time
+
+import structlog
+
+from cache_daemon import framing
+from cache_daemon.loader import ArenaWriter, Progress, register
+from cache_daemon.manifest import ITEMSIZE, Manifest, plan
+from cache_daemon.protocol import LoadFailed
+from failover_common.logs import configure_logging
+from failover_common.proc import die_with_parent
+
+log = structlog.get_logger(__name__)
+
+
+class PackError(RuntimeError):
+    pass
+
+
+class _Spec:
+    __slots__ = ("name", "dtype", "shape", "attrs")
+
+    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], kind: str) -> None:
+        self.name, self.dtype, self.shape, self.attrs = name, dtype, shape, {"kind": kind}
+
+
+def vllm_config(model: str, dtype: str, tp: int, device: str, engine_args: list[str]):
+    """vLLM's config as an instance with these flags builds it (unknown server-only flags ignored)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    ns, _unknown = parser.parse_known_args(["--model", model, "--dtype", dtype,
+                                            "--tensor-parallel-size", str(tp), *engine_args])
+    ns.load_format = "auto"  # this process reads the checkpoint: vLLM's own loading
+    return EngineArgs.from_cli_args(ns).create_engine_config()
+
+
+def load_model(vc, device: str):
+    """vLLM's model, loaded from disk by vLLM as a one-rank instance would."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.platforms import current_platform
+
+    from .layout import cpu_gemm
+
+    with socket.socket() as s:  # a free port for the one-process group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if device == "cpu":
+        from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+        _set_torch_accelerator_to_noop()  # as vLLM's CPU worker does: no accelerator calls
+    else:
+        torch.cuda.set_device(0)
+    with set_current_vllm_config(vc):
+        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, current_platform.dist_backend)
+        ensure_model_parallel_initialized(1, 1)
+        with cpu_gemm("shared"):  # the arena holds the unpacked weights (failover_vllm.layout)
+            return get_model_loader(vc.load_config).load_model(vllm_config=vc, model_config=vc.model_config)
+
+
+def pack(chan: socket.socket, args: argparse.Namespace) -> None:
+    from .fingerprint import vllm_cache_config
+    from .layout import named_tensors
+
+    t0 = time.perf_counter()
+    vc = vllm_config(args.model, args.dtype, args.tp, args.device, args.engine_arg)
+    model = load_model(vc, args.device)
+    loaded_s = time.perf_counter() - t0
+    tensors, aliases = named_tensors(model)
+    specs = []
+    for name, kind, t in tensors:
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in ITEMSIZE:
+            raise PackError(f"{name} is {dtype}, which the arena format cannot hold yet")
+        specs.append(_Spec(name, dtype, tuple(t.shape), kind))
+    entries, size = plan(specs)
+    config = vllm_cache_config(vc, tp_rank=0)
+    progress = Progress(chan, size)
+    arena = ArenaWriter(size, args.device, 0, args.chunk_bytes, f"vllm-{config.key}-r0")
+    try:
+        for (name, _kind, t), entry in zip(tensors, entries, strict=True):
+            arena.write(entry.offset, t.contiguous())
+            progress.add(entry.nbytes)
+        progress.add(size - sum(e.nbytes for e in entries), force=True)
+        register(chan, config, Manifest(tuple(entries), aliases, (arena.spec,)), arena)
+    finally:
+        arena.close()
+    kinds = {}
+    for _n, kind, t in tensors:
+        kinds[kind] = kinds.get(kind, 0) + t.nbytes
+    log.info("vllm_rank_packed", rank=0, key=config.key, tensors=len(entries), aliases=len(aliases),
+             bytes=size, bytes_by_kind=kinds, vllm_load_s=round(loaded_s, 3),
+             seconds=round(time.perf_counter() - t0, 3))
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m failover_vllm.pack")
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--chunk-bytes", type=int, default=0)
+    p.add_argument("--channel-fd", type=int, required=True)
+    p.add_argument("--parent-pid", type=int, default=None)
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--engine-arg", action="append", default=[])
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_level, process="vllm-loader")
+    die_with_parent(signal.SIGKILL, args.parent_pid)
+    chan = socket.socket(fileno=args.channel_fd)
+    try:
+        if args.tp != 1:
+            raise PackError(f"packing vLLM's layout for tp {args.tp} is not implemented (one process per rank "
+                            "is needed); use weights = \"disk\" for this service, or tp 1")
+        pack(chan, args)
+    except Exception as e:  # any failure of vLLM's loading is this load's failure, reported to the daemon
+        log.exception("vllm_pack_failed")
+        framing.send_frame(chan, LoadFailed(type(e).__name__, str(e)))
+        return 1
+    finally:
+        chan.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,198 @@
+"""vLLM weights from failover's cache daemon (``--load-format failover``), as real processes.
+
+One daemon packs vLLM's own loading of the tiny checkpoint (``--engine vllm``); real vLLM servers
+then map it: their greedy tokens (and, with ``cpu_gemm = prepack``, their logprobs bit for bit) equal
+vLLM's own disk load; two instances share the arena's pages (Pss about half the Rss, nothing private);
+a server built with other settings is refused with the differing fields; a server without a daemon
+refuses to start (the documented fallback) unless told ``fallback = disk``. Then ``failover up``
+with a vLLM primary and standby: both report weights from the daemon and share them, and a killed
+primary's replacement maps them again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import openai
+import pytest
+
+from failover_common.ports import free_port
+from failover.procs.smaps import tree_memory
+from failover.procs.tree import group_members
+from supervisor_helpers import Node, wait_until, write_config
+from vllm_helpers import READY_TIMEOUT, VLLM_FLAGS, VllmServer, needs_vllm, vllm_checkpoint
+
+pytestmark = [needs_vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+PROMPTS = ["once upon a time", "the quick brown fox", "1 2 3 4"]
+MAX_TOKENS = 12
+
+
+def _ask(url: str) -> dict[str, tuple[list[str], list[float]]]:
+    """prompt -> (greedy tokens, their logprobs) from ``url``, as the openai SDK gets them."""
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    try:
+        out = {}
+        for p in PROMPTS:
+            r = c.completions.create(model="tiny", prompt=p, max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
+            out[p] = (r.choices[0].logprobs.tokens, r.choices[0].logprobs.token_logprobs)
+        return out
+    finally:
+        c.close()
+
+
+def _extra(sock: Path, **options) -> tuple[str, ...]:
+    return ("--load-format", "failover", "--model-loader-extra-config", json.dumps({"socket": str(sock), **options}))
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    """A cache daemon holding vLLM's layout of the tiny checkpoint; stopped at the end."""
+    from conftest import Procs
+
+    base = tmp_path_factory.mktemp("vw")
+    model = vllm_checkpoint(base / "model")
+    run_dir = Path(os.path.realpath("/tmp")) / f"fo-vw-{os.getpid()}"
+    run_dir.mkdir(mode=0o700)
+    procs = Procs()
+    fd, log = procs.temp_file("vw-daemon-")
+    try:
+        proc = procs.python("-m", "cache_daemon", "--model", str(model), "--run-dir", str(run_dir),
+                            "--engine", "vllm", "--dtype", "float32", *(f"--engine-arg={a}" for a in VLLM_FLAGS),
+                            "--progress", "off", stderr=fd, stdout=fd)
+        os.close(fd)
+        wait_until(lambda: (run_dir / "daemon.ready").exists() or proc.poll() is not None, READY_TIMEOUT,
+                   "the daemon to pack vLLM's layout")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        yield model, run_dir / "daemon.sock", base
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()[-3000:]
+    finally:
+        procs.stop_all()
+        for f in run_dir.iterdir():
+            f.unlink()
+        run_dir.rmdir()
+
+
+@pytest.fixture
+def servers():
+    started: list[VllmServer] = []
+    yield started
+    for s in started:
+        s.stop()
+
+
+def _server(servers, model: Path, base: Path, name: str, *extra: str) -> VllmServer:
+    s = VllmServer(model, free_port(), base / f"{name}.log", extra=extra)
+    servers.append(s)
+    return s
+
+
+def test_vllm_maps_the_daemons_weights_shares_them_and_answers_as_its_own_disk_load(daemon, servers):
+    model, sock, base = daemon
+    reports = {n: base / f"{n}.weights.json" for n in ("a", "b", "prepack")}
+    disk = _server(servers, model, base, "disk")
+    a = _server(servers, model, base, "a", *_extra(sock, report=str(reports["a"])))
+    b = _server(servers, model, base, "b", *_extra(sock, report=str(reports["b"])))
+    prepack = _server(servers, model, base, "prepack", *_extra(sock, cpu_gemm="prepack", report=str(reports["prepack"])))
+    for s in servers:
+        s.wait_ready()
+
+    # every instance says where its weights came from: the daemon, its parameters left in the arena
+    for name in ("a", "b"):
+        info = json.loads(reports[name].read_text())
+        assert info["source"] == "cache" and info["repacked_bytes"] == 0, info
+        assert info["shared_bytes"] > 10 * info["copied_bytes"], info  # buffers only are copied
+    pre = json.loads(reports["prepack"].read_text())
+    assert pre["source"] == "cache" and pre["repacked_bytes"] > 0, pre  # oneDNN's own copy of each linear
+
+    # the answers: greedy tokens as vLLM's disk load gives them; bit-equal logprobs with vLLM's kernels
+    want = _ask(disk.url)
+    for s in (a, b):
+        got = _ask(s.url)
+        for p in PROMPTS:
+            assert got[p][0] == want[p][0], (p, got[p][0], want[p][0])
+            assert max(abs(x - y) for x, y in zip(got[p][1], want[p][1])) < 1e-3, (p, got[p][1], want[p][1])
+    assert _ask(prepack.url) == want
+
+    # the pages of the arena are shared between the two instances, not copied into either
+    trees = {s: group_members(s.proc.pid) for s in (a, b, disk)}
+    mem = {s: tree_memory(pids) for s, pids in trees.items()}
+    for s in (a, b):
+        arena = mem[s]["arena"]
+        assert arena["Rss"] > 0, mem[s]  # mapped and resident
+        assert arena["Private_Clean"] + arena["Private_Dirty"] == 0, arena
+        assert arena["Pss"] * 2 <= arena["Rss"] + 8192 * 4, arena  # split between (at least) a, b and prepack
+    assert mem[disk]["arena"]["Rss"] == 0  # vLLM's own load maps nothing of ours
+
+
+def test_a_vllm_built_with_other_settings_is_refused_with_the_differing_fields(daemon, servers):
+    model, sock, base = daemon
+    other = _server(servers, model, base, "other", *_extra(sock), "--dtype", "bfloat16")
+    with pytest.raises(RuntimeError, match=r"exited"):
+        other.wait_ready()
+    message = other.log.read_text()
+    assert "differing fields" in message and "dtype: 'bfloat16' != 'float32'" in message, message[-3000:]
+
+
+def test_without_a_daemon_vllm_refuses_unless_told_to_load_from_disk(daemon, servers, tmp_path):
+    model, _sock, base = daemon
+    missing = Path(os.path.realpath("/tmp")) / f"fo-none-{os.getpid()}.sock"
+    refused = _server(servers, model, base, "refused", *_extra(missing))
+    fallback = _server(servers, model, base, "fallback", *_extra(missing, fallback="disk",
+                                                                  report=str(tmp_path / "f.json")))
+    with pytest.raises(RuntimeError, match="exited"):
+        refused.wait_ready()
+    message = refused.log.read_text()
+    assert "no cache daemon at" in message and 'weights = "disk"' in message, message[-3000:]
+    fallback.wait_ready()
+    assert "failover_weights_fallback_disk" in fallback.log.read_text()
+    assert json.loads((tmp_path / "f.json").read_text())["source"] == "disk"
+
+
+def test_failover_up_runs_vllm_on_the_daemons_weights_and_relaunches_on_them(procs, run_dir):
+    model = vllm_checkpoint(Path(run_dir) / "model")
+    node = Node.__new__(Node)
+    config = write_config(Path(run_dir) / "node.toml", model=model, run_dir=Path(run_dir) / "node",
+                          service_extra={"engine": "vllm", "engine_args": VLLM_FLAGS, "kv_memory": "256MiB"},
+                          supervisor={"ready_timeout": READY_TIMEOUT, "stop_timeout": 10.0})
+    node._launch(procs, Path(run_dir), config, ready_timeout=READY_TIMEOUT)
+    try:
+        primary, standby = wait_until(node.serving_pair, 60, "a ready vLLM primary and standby")
+        for inst in (primary, standby):
+            assert node.slot(inst["name"])["weights_source"] == "cache"
+        assert node.status()["supervisor"]["daemon"]["pid"]
+        mem = {i["name"]: tree_memory(group_members(i["pid"]))["arena"] for i in (primary, standby)}
+        for arena in mem.values():
+            assert arena["Rss"] > 0 and arena["Private_Clean"] + arena["Private_Dirty"] == 0, mem
+            assert arena["Pss"] * 2 <= arena["Rss"] + 8192, mem  # the two instances share every page
+        node.seen_pids |= {p for i in (primary, standby) for p in group_members(i["pid"])}
+        os.kill(primary["pid"], signal.SIGKILL)
+        back = wait_until(lambda: (p := node.serving_pair()) and p[1]["name"] == primary["name"]
+                          and p[1]["pid"] != primary["pid"] and p, READY_TIMEOUT, "the relaunched vLLM standby")
+        assert node.slot(back[1]["name"])["weights_source"] == "cache"
+        node.seen_pids |= set(group_members(back[1]["pid"]))
+    finally:
+        node.stop()
+    assert not list(Path(run_dir).glob("node/*.weights.json"))
+
+
+def test_weights_disk_runs_vllm_without_a_daemon(procs, run_dir):
+    model = vllm_checkpoint(Path(run_dir) / "model")
+    node = Node.__new__(Node)
+    config = write_config(Path(run_dir) / "node.toml", model=model, run_dir=Path(run_dir) / "node",
+                          service_extra={"engine": "vllm", "engine_args": VLLM_FLAGS, "kv_memory": "256MiB",
+                                         "standbys": 0, "weights": "disk"},
+                          supervisor={"ready_timeout": READY_TIMEOUT})
+    node._launch(procs, Path(run_dir), config, ready_timeout=READY_TIMEOUT)
+    try:
+        slot = node.status()["supervisor"]["slots"][0]
+        assert slot["weights_source"] == "disk"
+        assert not node.status()["supervisor"]["daemon"]["pid"]
+        assert not (Path(run_dir) / "node" / "daemon.sock").exists()
+        assert tree_memory(group_members(slot["pid"]))["arena"]["Rss"] == 0
+        assert b"--load-format" not in Path(f"/proc/{slot['pid']}/cmdline").read_bytes()
+    finally:
+        node.stop()
