@@ -161,26 +161,40 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    configure_logging(args.log_level, process="loader")
+def run_child(args: argparse.Namespace, process: str, load, failures: tuple[type[BaseException], ...],
+              event: str = "load_failed", traceback: bool = False) -> int:
+    """A loader child's frame, for this loader and vLLM's (``failover_vllm.pack``): its logging, its
+    death with the daemon, the inherited channel. ``load(chan)`` does the work; one of ``failures``
+    is reported to the daemon as ``LoadFailed`` (exit 1), anything else propagates."""
+    configure_logging(args.log_level, process=process)
     die_with_parent(signal.SIGKILL, args.parent_pid)
     chan = socket.socket(fileno=args.channel_fd)
-    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else list(range(args.tp))
     try:
-        ckpt = open_checkpoint(args.model)
-        validate(ckpt, args.tp)
-        progress = Progress(chan, sum(rank_bytes(ckpt, args, rank) for rank in ranks))
-        for rank in ranks:
-            load_rank(ckpt, args, rank, chan, progress)
-    except CacheError as e:
-        log.error("load_failed", error=type(e).__name__, message=str(e))
+        load(chan)
+    except failures as e:
+        if traceback:
+            log.exception(event)
+        else:
+            log.error(event, error=type(e).__name__, message=str(e))
         framing.send_frame(chan, LoadFailed(type(e).__name__, str(e)))
         return 1
     finally:
         chan.close()
     return 0
 
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else list(range(args.tp))
+
+    def load(chan: socket.socket) -> None:
+        ckpt = open_checkpoint(args.model)
+        validate(ckpt, args.tp)
+        progress = Progress(chan, sum(rank_bytes(ckpt, args, rank) for rank in ranks))
+        for rank in ranks:
+            load_rank(ckpt, args, rank, chan, progress)
+
+    return run_child(args, "loader", load, (CacheError,))
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -15,19 +15,14 @@ rendezvousing together; that is not written yet, and is refused with a message.
 from __future__ import annotations
 
 import argparse
-import signal
 import socket
 import sys
 import time
 
 import structlog
 
-from cache_daemon import framing
-from cache_daemon.loader import ArenaWriter, Progress, register
+from cache_daemon.loader import ArenaWriter, Progress, register, run_child
 from cache_daemon.manifest import ITEMSIZE, Manifest, plan
-from cache_daemon.protocol import LoadFailed
-from failover_common.logs import configure_logging
-from failover_common.proc import die_with_parent
 
 log = structlog.get_logger(__name__)
 
@@ -132,22 +127,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    configure_logging(args.log_level, process="vllm-loader")
-    die_with_parent(signal.SIGKILL, args.parent_pid)
-    chan = socket.socket(fileno=args.channel_fd)
-    try:
+
+    def load(chan: socket.socket) -> None:
         if args.tp != 1:
             raise PackError(f"packing vLLM's layout for tp {args.tp} is not implemented (one process per rank "
                             "is needed); use weights = \"disk\" for this service, or tp 1")
         pack(chan, args)
-    except Exception as e:  # any failure of vLLM's loading is this load's failure, reported to the daemon
-        log.exception("vllm_pack_failed")
-        framing.send_frame(chan, LoadFailed(type(e).__name__, str(e)))
-        return 1
-    finally:
-        chan.close()
-    return 0
 
+    # any failure of vLLM's loading is this load's failure, reported to the daemon
+    return run_child(args, "vllm-loader", load, (Exception,), event="vllm_pack_failed", traceback=True)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
