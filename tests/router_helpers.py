@@ -18,7 +18,7 @@ from pathlib import Path
 import openai
 from aiohttp import web
 
-from conftest import free_port
+from conftest import Procs, free_port
 from router.app import Router
 from router.config import RouterConfig
 
@@ -68,6 +68,17 @@ def start_engines(procs, model: Path, names: list[str]) -> list[Engine]:
     for e in engines:
         wait_ready(e.url, e.proc)
     return engines
+
+
+@contextlib.contextmanager
+def one_engine(model: Path):
+    """One engine for a whole test module (its fixture), ended with its tree at the end."""
+    procs = Procs()
+    try:
+        (e,) = start_engines(procs, model, ["eng"])
+        yield e
+    finally:
+        procs.stop_all()
 
 
 def kill(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:

@@ -11,22 +11,18 @@ import aiohttp
 import openai
 import pytest
 
-from conftest import Procs, free_port
+from conftest import free_port
 from router import states
-from router_helpers import (client, complete, counter, garbage_app, raw_garbage_server, reference, running_router,
-                            serve_app, stalling_app, start_engines, tolerant, wait_for)
+from router_helpers import (client, complete, counter, garbage_app, one_engine, raw_garbage_server, reference,
+                            running_router, serve_app, stalling_app, tolerant, wait_for)
 
 pytestmark = pytest.mark.asyncio
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    procs = Procs()
-    try:
-        (e,) = start_engines(procs, tiny_model, ["eng"])
+    with one_engine(tiny_model) as e:
         yield e
-    finally:
-        procs.stop_all()
 
 
 async def direct_reference(engine, prompts):

@@ -9,21 +9,16 @@ import json
 
 import pytest
 
-from conftest import Procs
 from router.front import BODY_WAIT
-from router_helpers import running_router, start_engines, tolerant, wait_for
+from router_helpers import one_engine, running_router, tolerant, wait_for
 
 pytestmark = pytest.mark.asyncio
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    procs = Procs()
-    try:
-        (e,) = start_engines(procs, tiny_model, ["eng"])
+    with one_engine(tiny_model) as e:
         yield e
-    finally:
-        procs.stop_all()
 
 
 def completion(max_tokens: int = 2) -> bytes:

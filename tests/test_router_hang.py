@@ -29,14 +29,18 @@ def engines(procs, tiny_model):
     return start_engines(procs, tiny_model, ["eng-a", "eng-b"])
 
 
+async def both_ready(svc) -> None:
+    await wait_for(lambda: svc.routable() is not None and svc.instances["eng-b"].serving_ready,
+                   timeout=20, what="primary and standby ready")
+
+
 async def test_a_frozen_primary_under_streaming_load_is_failed_by_its_stalled_streams(engines):
     a, b = engines
     launcher = KillLauncher(engines)
     async with running_router(RouterConfig(port=0, probe_timeout=SLOW_PROBES), launcher,
                               primary=a, standbys=[b]) as router:
         svc = router.services["tiny"]
-        await wait_for(lambda: svc.routable() is not None and svc.instances["eng-b"].serving_ready,
-                       timeout=20, what="primary and standby ready")
+        await both_ready(svc)
         c = client(router)
         ref = await references(c)
         load = Load(c, workers=4)
@@ -113,8 +117,7 @@ async def test_a_one_second_stall_of_the_routers_loop_with_streams_open_fences_n
     launcher = KillLauncher(engines)
     async with running_router(RouterConfig(port=0), launcher, primary=a, standbys=[b]) as router:
         svc = router.services["tiny"]
-        await wait_for(lambda: svc.routable() is not None and svc.instances["eng-b"].serving_ready,
-                       timeout=20, what="primary and standby ready")
+        await both_ready(svc)
         c = client(router)
         ref = await references(c)
         load = Load(c, workers=4)

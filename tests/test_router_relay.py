@@ -12,17 +12,13 @@ import contextlib
 import openai
 import pytest
 
-from conftest import Procs, free_port
-from router_helpers import running_router, start_engines, tolerant
+from conftest import free_port
+from router_helpers import one_engine, running_router, tolerant
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    procs = Procs()
-    try:
-        (e,) = start_engines(procs, tiny_model, ["eng"])
+    with one_engine(tiny_model) as e:
         yield e
-    finally:
-        procs.stop_all()
 
 
 @contextlib.asynccontextmanager
