@@ -46,7 +46,7 @@ def configure_logging(level: str = "info", *, json: bool | None = None, process:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(_Stderr()),
+        logger_factory=structlog.WriteLoggerFactory(_Stderr()),  # one write per event line: atomic on a shared pipe
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()
