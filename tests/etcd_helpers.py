@@ -61,11 +61,24 @@ class EtcdCluster:
                                          start_new_session=True)
         log.close()
 
-    def start(self) -> EtcdCluster:
-        for i in range(len(self.names)):
-            self._spawn(i, "new")
-        self.wait_healthy()
-        return self
+    def start(self, attempts: int = 3) -> EtcdCluster:
+        for attempt in range(attempts):
+            for i in range(len(self.names)):
+                self._spawn(i, "new")
+            try:
+                self.wait_healthy()
+                return self
+            except RuntimeError as exc:
+                # free_port() only probes a port; another process may take it before etcd binds it
+                if "address already in use" not in str(exc) or attempt == attempts - 1:
+                    raise
+                self._end_all()
+                for i in range(len(self.names)):
+                    shutil.rmtree(self.dir / self.names[i], ignore_errors=True)
+                    (self.dir / f"{self.names[i]}.log").unlink(missing_ok=True)
+                self.client_ports = [free_port() for _ in self.names]
+                self.peer_ports = [free_port() for _ in self.names]
+        raise AssertionError("unreachable")
 
     def wait_healthy(self, timeout: float = 30.0, members: list[int] | None = None) -> None:
         deadline = time.monotonic() + timeout
@@ -107,7 +120,7 @@ class EtcdCluster:
         self.kill(i)
         self._spawn(i, "existing")
 
-    def stop(self) -> None:
+    def _end_all(self) -> None:
         for proc in self.procs:
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGCONT)  # a frozen member would not act on SIGTERM
@@ -119,6 +132,10 @@ class EtcdCluster:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(5)
+        self.procs = [None] * len(self.names)
+
+    def stop(self) -> None:
+        self._end_all()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> EtcdCluster:

@@ -125,8 +125,10 @@ async def test_router_without_etcd_keeps_the_primary_for_a_bounded_time_and_neve
             await wait_for(lambda: r1.cluster.roles.refused > 0, 10, "a refused promotion")
             assert routed(r1) is None
             await wait_for(lambda: r1.cluster.held, 5, "routing held")
-            # the bound runs from the router's last answer from etcd, which may come just before the kill
-            assert time.monotonic() - r1.cluster.last_contact >= 2.0 and r1.cluster.last_contact <= t_lost
+            # the bound runs from the router's last answer from etcd: one etcd wrote before it died may
+            # still be read just after the kill (CI saw 0.2 ms), but no failed call may count as contact
+            assert time.monotonic() - r1.cluster.last_contact >= 2.0
+            assert r1.cluster.last_contact <= t_lost + 0.05
             assert all(h.instance == primary for h in r1.cluster.roles.holders.values())
             # etcd back: the claim goes through and the standby serves
             solo.restart(0)
