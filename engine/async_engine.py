@@ -142,6 +142,9 @@ class AsyncEngine:
                 self._loop.call_soon_threadsafe(self._deliver, outputs)
                 self._report()
                 self._apply_resizes()
+                if self.engine.blocked():  # nothing fits until the pool grows: wait, never spin
+                    self._wake.wait(0.5)
+                    self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - any failure ends the engine; report, then exit
             log.exception("engine_step_failed")
             self.error = e

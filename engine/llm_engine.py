@@ -67,6 +67,7 @@ class LLMEngine:
                                    runner.max_len, eos_ids)
         self.texts: dict[str, IncrementalText] = {}
         self._last_step_end, self._log_steps = time.perf_counter(), 0
+        self._blocked = False  # the last step found every sequence waiting for a bigger pool
 
     @property
     def max_len(self) -> int:
@@ -82,6 +83,19 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def blocked(self) -> bool:
+        """Sequences wait and none runs: the first needs more blocks than the whole pool holds (a
+        standby's pool below one full context, before its growth). Logged once per such wait."""
+        stuck = not self.scheduler.running and bool(self.scheduler.waiting)
+        if stuck and not self._blocked:
+            head = self.scheduler.waiting[0]
+            log.warning("kv_pool_too_small", seq=head.id, tokens=head.length,
+                        blocks_needed=self.scheduler.blocks.blocks_for(head.length),
+                        pool_blocks=self.scheduler.blocks.num_blocks,
+                        why="waits until the pool grows (a standby's pool, grown at promotion)")
+        self._blocked = stuck
+        return stuck
 
     def step(self) -> list[RequestOutput]:
         """Prefill what is pending (while others decode, at most ``prefill_chunk`` prompt tokens in

@@ -52,7 +52,7 @@ class ModelRunner:
         self.model = CausalLM.from_weights(model_cfg, weights, tp=cfg.tp, fp8=cfg.transform == "fp8-block",
                                            max_len=self.max_len, device=self.device)
         t_model = time.perf_counter()
-        self.kv = KVPool.from_budget(cfg.kv_memory, max_batch=cfg.max_batch, max_len=self.max_len,
+        self.kv = KVPool.from_budget(cfg.kv_memory, floor=cfg.kv_min_memory, max_batch=cfg.max_batch, max_len=self.max_len,
                                      block_size=cfg.kv_block_size, layers=model_cfg.num_layers,
                                      kv_heads=model_cfg.num_kv_heads // cfg.tp, head_dim=model_cfg.head_dim,
                                      dtype=self.dtype, device=self.device)
