@@ -3,6 +3,7 @@ shrinks back (a real `failover up` on CPU, the tiny model)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -13,6 +14,14 @@ from supervisor_helpers import Load, Node, wait_until, write_config
 from test_config import error_of
 
 MIB = 1 << 20
+
+
+def event(line: str) -> dict | None:
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) and "event" in doc else None
 
 
 def pools(node) -> dict[str, tuple[str, int | None]]:
@@ -46,7 +55,14 @@ def test_standby_is_small_and_the_promoted_instance_grows_after_a_kill(node):
     assert load.failures == [], load.failures[:5]
     record = node.status()["last_failover"]["chat"]
     assert record["new"] == standby["name"] and record["kv_grown_ms"] >= 0
-    assert '"promoted_pool_grown"' in node.log() or "promoted_pool_grown" in node.log()
+    events = [e for e in map(event, node.log().splitlines()) if e]
+    assert any(e["event"] == "promoted_pool_grown" for e in events)
+    # the growth asked for memory only once the killed primary's process was gone
+    order = [e["event"] for e in events if e["event"] in ("failed_primary_released", "kv_resized")
+             and e.get("slot") == standby["name"]]
+    assert order == ["failed_primary_released", "kv_resized"], order
+    released = next(e for e in events if e["event"] == "failed_primary_released")
+    assert primary["pid"] in released["pids"]
 
 
 def test_planned_promote_swaps_the_budgets(node):
