@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import structlog
 
@@ -97,10 +98,21 @@ class LLMEngine:
         self._blocked = stuck
         return stuck
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, deliver: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """Prefill what is pending (while others decode, at most ``prefill_chunk`` prompt tokens in
-        all, so a long prompt does not stall them), then one decode step for the rest."""
+        all, so a long prompt does not stall them), then one decode step for the rest.
+        ``deliver``: called with each prefill forward's outputs as soon as they are sampled, before the
+        step's next forward (a promoted standby prefills every migrated stream in one step, in several
+        forwards: the first streams' next tokens need not wait for the last ones'); what it was given
+        is not in the list returned."""
         outputs, t0 = [], time.perf_counter()
+
+        def prefilled(out: list[RequestOutput]) -> None:
+            if deliver is not None and out:
+                deliver(out)
+            else:
+                outputs.extend(out)
+
         prefill, decode = self.scheduler.schedule()
         budget = self.prefill_chunk if decode and self.prefill_chunk else None
         whole, parts = [], []
@@ -112,11 +124,11 @@ class LLMEngine:
             budget = None if budget is None else budget - n
         for group in _prefill_groups([s for s, _ in whole], self.prefill_tokens):
             plan = StepPlan("prefill", tuple(tuple(s.all_ids) for s in group), block_tables=_tables(group))
-            outputs += self._prefilled(group, self.runner.run(plan))
+            prefilled(self._prefilled(group, self.runner.run(plan)))
         for seq, n in parts:  # a chunk: one forward of its own, from where the last one stopped
             start = seq.length - seq.pending
             plan = StepPlan("prefill", (tuple(seq.all_ids[start:start + n]),), (start,), _tables([seq]))
-            outputs += self._prefilled([seq], self.runner.run(plan), n)
+            prefilled(self._prefilled([seq], self.runner.run(plan), n))
         if decode:
             plan = StepPlan("decode", tuple(s.last_token for s in decode), tuple(s.length - 1 for s in decode),
                             _tables(decode))
