@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 
 import pytest
@@ -81,9 +82,14 @@ async def test_sigstop_primary_is_promoted_away_by_the_probe(engines, launcher_k
             load = Load(c, workers=4)
             load.start()
             await load.until(4)
+            svc = router.services["tiny"]
             await load.streaming(1)
             kill(a.proc, signal.SIGSTOP)
-            svc = router.services["tiny"]
+            # what the engine wrote before it froze reaches the clients; a stream still under way
+            # after that can only go on elsewhere (CI once froze an engine that had sent a stream's
+            # last tokens already: it finished with no migration)
+            await asyncio.sleep(0.1)
+            caught = len(load.midstream)
             await wait_for(lambda: svc.primary is svc.instances["eng-b"], timeout=10, what="promotion")
             done = len(load.outcomes)
             await load.until(done + 6)
@@ -97,7 +103,8 @@ async def test_sigstop_primary_is_promoted_away_by_the_probe(engines, launcher_k
                 assert a.proc.poll() is None  # still there, hung: only the router's fencing saved us
                 assert svc.instances["eng-a"].role == states.STOPPED
             assert svc.instances["eng-a"].inflight == 0
-            assert counter(router, "failover_router_migrations_total") >= 1  # the stream caught by the hang
+            if caught:  # the stream caught by the hang went on elsewhere
+                assert counter(router, "failover_router_migrations_total") >= 1
     finally:
         kill(a.proc, signal.SIGCONT)
         kill(a.proc, signal.SIGKILL)
