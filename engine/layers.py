@@ -54,17 +54,26 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict, max_positions: int
     return inv_freq
 
 
-class Rotary(nn.Module):
-    """cos/sin tables for every position up to ``max_len``, looked up per token."""
+def rope_tables(head_dim: int, theta: float, scaling: dict, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) float32 on the CPU, [max_len, head_dim]: the rotation of every position (CPU only,
+    so a zygote can compute them before it forks: ``engine.prepared``)."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, max_len)
+    pos = torch.arange(max_len, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, head_dim]
+    return emb.cos(), emb.sin()
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict, max_len: int, device) -> None:
+
+class Rotary(nn.Module):
+    """cos/sin tables for every position up to ``max_len``, looked up per token. ``tables``: the
+    ``rope_tables`` of these arguments, computed already (they are copied to ``device``, never written)."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict, max_len: int, device,
+                 tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling, max_len)
-        pos = torch.arange(max_len, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, head_dim]
-        self.register_buffer("cos", emb.cos().to(device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+        cos, sin = tables if tables is not None else rope_tables(head_dim, theta, scaling, max_len)
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAt:
         # positions [B, T] -> what rotates q and k [B, T, H, head_dim] at those positions
