@@ -120,8 +120,7 @@ def preload(device: str) -> None:
 
 def prepare(argv: list[str]) -> bool:
     """In a zygote that has just forked ``main(argv)``: prepare what the next engines of this model
-    inherit (``engine.prepared``: tokenizer, meta-device model, RoPE tables; CPU only, no thread, no
-    CUDA). Bad options are left to the forked engine to report. True when something new was prepared."""
+    inherit (``engine.prepared``: tokenizer, meta-device model; no compute, no thread, no CUDA). Bad options are left to the forked engine to report. True when something new was prepared."""
     from engine import prepared
 
     try:
@@ -130,8 +129,7 @@ def prepare(argv: list[str]) -> bool:
         model_cfg = ModelConfig.from_dir(args.model)
     except (SystemExit, ConfigError):
         return False
-    return prepared.prepare(args.model, model_cfg, tp=args.tp, fp8=args.transform == "fp8-block",
-                            max_len=model_cfg.served_len(args.max_model_len))
+    return prepared.prepare(args.model, model_cfg, tp=args.tp, fp8=args.transform == "fp8-block")
 
 
 def main(argv: list[str]) -> int:

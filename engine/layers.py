@@ -55,8 +55,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict, max_positions: int
 
 
 def rope_tables(head_dim: int, theta: float, scaling: dict, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) float32 on the CPU, [max_len, head_dim]: the rotation of every position (CPU only,
-    so a zygote can compute them before it forks: ``engine.prepared``)."""
+    """(cos, sin) float32 on the CPU, [max_len, head_dim]: the rotation of every position."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling, max_len)
     pos = torch.arange(max_len, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)
@@ -65,13 +64,11 @@ def rope_tables(head_dim: int, theta: float, scaling: dict, max_len: int) -> tup
 
 
 class Rotary(nn.Module):
-    """cos/sin tables for every position up to ``max_len``, looked up per token. ``tables``: the
-    ``rope_tables`` of these arguments, computed already (they are copied to ``device``, never written)."""
+    """cos/sin tables for every position up to ``max_len``, looked up per token."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict, max_len: int, device,
-                 tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: dict, max_len: int, device) -> None:
         super().__init__()
-        cos, sin = tables if tables is not None else rope_tables(head_dim, theta, scaling, max_len)
+        cos, sin = rope_tables(head_dim, theta, scaling, max_len)
         self.register_buffer("cos", cos.to(device), persistent=False)
         self.register_buffer("sin", sin.to(device), persistent=False)
 

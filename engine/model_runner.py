@@ -51,14 +51,13 @@ class ModelRunner:
             torch.backends.cuda.enable_cudnn_sdp(cfg.cudnn_attention)
         self.max_len = model_cfg.served_len(cfg.max_model_len)
         t0 = time.perf_counter()
-        # the module tree and the RoPE tables come from the zygote when it prepared them (engine.prepared)
+        # the module tree comes from the zygote when it prepared this model (engine.prepared)
         model, had_skeleton = prepared.skeleton(cfg.model, model_cfg, cfg.tp, cfg.transform == "fp8-block")
         t_skeleton = time.perf_counter()
         model.assign(weights)
         t_assign = time.perf_counter()
-        tables, had_rope = prepared.rope_tables(cfg.model, model_cfg, self.max_len)
         model.rotary = Rotary(model_cfg.head_dim, model_cfg.rope_theta, model_cfg.rope_scaling, self.max_len,
-                              self.device, tables)
+                              self.device)
         self.model: CausalLM = model.eval()
         t_model = time.perf_counter()
         self.kv = KVPool.from_budget(cfg.kv_memory, max_batch=cfg.max_batch, max_len=self.max_len,
@@ -77,7 +76,7 @@ class ModelRunner:
                  chunks=len(self.kv.chunks), max_len=self.max_len, bytes=self.kv.nbytes,
                  model_ms=_ms(t0, t_model), skeleton_ms=_ms(t0, t_skeleton), assign_ms=_ms(t_skeleton, t_assign),
                  rope_ms=_ms(t_assign, t_model), kv_ms=_ms(t_model, t_kv), buffers_ms=_ms(t_kv, time.perf_counter()),
-                 prepared_model=had_skeleton, prepared_rope=had_rope)
+                 prepared_model=had_skeleton)
 
     @property
     def graphs_pending(self) -> bool:

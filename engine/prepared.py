@@ -1,14 +1,15 @@
 """What a zygote prepares for the engines it forks: the CPU-only, per-model part of an engine's start.
 
-An engine's start reads the tokenizer (and compiles its chat template), builds the model's module
-tree on the meta device and computes the RoPE tables. None of it needs CUDA, all of it is the same
-for every engine of one model, and every relaunch paid it again (the tokenizer of a real model alone
-takes a few hundred milliseconds). ``prepare`` does it once in the zygote (``engine.cli.prepare``,
+An engine's start reads the tokenizer (and compiles its chat template) and builds the model's module
+tree on the meta device. Neither needs CUDA or computes anything, both are the same for every engine
+of one model, and every relaunch paid them again (the tokenizer of a real model alone takes a few
+hundred milliseconds). The RoPE tables are not prepared here: computing them runs torch's CPU ops,
+and the first of those starts the intra-op thread pool, which a process that forks must not have
+(``tests/test_zygote_prepare.py`` checks that ``prepare`` leaves the zygote with no new thread). ``prepare`` does it once in the zygote (``engine.cli.prepare``,
 called by ``failover.procs.zygote`` after it forked an engine); every later fork inherits the result.
 
 Ownership and lifetime: the prepared objects live in this module of the zygote; a forked engine gets
-its own copy-on-write copy. ``tokenizer`` and ``rope_tables`` hand out shared objects that nobody
-writes (the tables are read-only inputs of RoPE). ``skeleton`` hands its meta-device model out once
+its own copy-on-write copy. ``tokenizer`` hands out a shared object (nobody writes to it). ``skeleton`` hands its meta-device model out once
 per process (the caller assigns the weights into it): a second engine in the same process builds its
 own. Everything is keyed by the identity of the model's files (inode, size, mtime of config.json,
 generation_config.json, tokenizer.json, tokenizer_config.json): a checkpoint changed on disk after
@@ -21,10 +22,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from engine.config import ModelConfig
-from engine.layers import rope_tables as compute_rope_tables
 from engine.model import CausalLM
 from engine.tokenizer import Tokenizer
 
@@ -36,7 +34,6 @@ class _Model:
     identity: tuple
     tokenizer: Tokenizer
     skeletons: dict[tuple[int, bool], CausalLM] = field(default_factory=dict)  # (tp, fp8) -> meta model
-    rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # max_len -> (cos, sin)
 
 
 _models: dict[str, _Model] = {}
@@ -64,19 +61,15 @@ def _current(model_dir: Path) -> _Model | None:
     return entry if entry is not None and entry.identity == identity(model_dir) else None
 
 
-def prepare(model_dir: Path, model_cfg: ModelConfig, *, tp: int, fp8: bool, max_len: int) -> bool:
-    """Load the tokenizer, build the meta-device model and the RoPE tables of ``model_dir`` for
-    later forks (CPU only: no CUDA, no thread). False when they were already there."""
+def prepare(model_dir: Path, model_cfg: ModelConfig, *, tp: int, fp8: bool) -> bool:
+    """Load the tokenizer and build the meta-device model of ``model_dir`` for later forks (no
+    compute, no CUDA, no thread). False when they were already there."""
     entry = _current(model_dir)
     fresh = entry is None
     if fresh:
         entry = _models[_key(model_dir)] = _Model(identity(model_dir), Tokenizer(model_dir))
     if (tp, fp8) not in entry.skeletons:
         entry.skeletons[(tp, fp8)] = CausalLM.skeleton(model_cfg, tp, fp8)
-        fresh = True
-    if max_len not in entry.rope:
-        entry.rope[max_len] = compute_rope_tables(model_cfg.head_dim, model_cfg.rope_theta, model_cfg.rope_scaling,
-                                                  max_len)
         fresh = True
     return fresh
 
@@ -93,11 +86,3 @@ def skeleton(model_dir: Path, model_cfg: ModelConfig, tp: int, fp8: bool) -> tup
     entry = _current(model_dir)
     prepared = entry.skeletons.pop((tp, fp8), None) if entry is not None else None
     return (prepared, True) if prepared is not None else (CausalLM.skeleton(model_cfg, tp, fp8), False)
-
-
-def rope_tables(model_dir: Path, model_cfg: ModelConfig, max_len: int) -> tuple[tuple[torch.Tensor, torch.Tensor], bool]:
-    """((cos, sin) float32 on the CPU, [max_len, head_dim]; whether they were prepared). Read-only."""
-    entry = _current(model_dir)
-    if entry is not None and max_len in entry.rope:
-        return entry.rope[max_len], True
-    return compute_rope_tables(model_cfg.head_dim, model_cfg.rope_theta, model_cfg.rope_scaling, max_len), False

@@ -1,5 +1,5 @@
-"""The zygote prepares a model's CPU-side start (tokenizer, meta-device model, RoPE tables) after its
-first fork, later forks inherit it and serve the same tokens; a changed checkpoint is loaded afresh;
+"""The zygote prepares a model's CPU-side start (tokenizer and chat template, meta-device model) after
+its first fork, with no thread and no CUDA; later forks inherit it and serve the same tokens; a changed checkpoint is loaded afresh;
 a failing prepare costs the zygote nothing."""
 
 from __future__ import annotations
@@ -39,12 +39,11 @@ def test_a_prepared_model_gives_the_logits_of_a_fresh_one_and_a_changed_checkpoi
     assert prepare(["--no-such-option"]) is False
     runner = build_runner(model)
     assert torch.equal(runner.all_logits(PROMPT_IDS), fresh)
-    # the meta-device model is handed out once; the RoPE tables and tokenizer are shared read-only
+    # the meta-device model is handed out once; the tokenizer is shared
     again = build_runner(model)
     assert again.model is not runner.model and torch.equal(again.all_logits(PROMPT_IDS), fresh)
     tok, had = prepared.tokenizer(model)
     assert had and prepared.tokenizer(model)[0] is tok
-    assert prepared.rope_tables(model, runner.model_cfg, runner.max_len)[1] is True
 
     # a checkpoint rewritten in place after prepare() is never served from the old state
     cfg = model / "tokenizer_config.json"
@@ -68,12 +67,33 @@ def test_forks_inherit_what_the_zygote_prepared_and_a_failed_prepare_is_harmless
     assert out["rcs"] == [10, 11, 12, 12]
     assert out["zygote_kept"] is True
     assert "zygote_prepare_failed" in log.read_text(errors="replace")
-    # two real engines: the first loads the model itself, the second inherits the zygote's tokenizer,
-    # module tree and RoPE tables, and both serve the same greedy text
+    # two real engines: the first loads the model itself, the second inherits the zygote's tokenizer
+    # and module tree, and both serve the same greedy text
     (text1, pid1), (text2, pid2) = out["texts"]
     assert text1 == text2 and pid1 != pid2 and text1
     assert out["engine_rcs"] == [0, 0]
     events = _engine_built(log)
     tokens = [e["prepared_tokenizer"] for e in events if e["event"] == "engine_built"]
-    models = [(e["prepared_model"], e["prepared_rope"]) for e in events if e["event"] == "kv_cache_allocated"]
-    assert tokens == [False, True] and models == [(False, False), (True, True)]
+    models = [e["prepared_model"] for e in events if e["event"] == "kv_cache_allocated"]
+    assert tokens == [False, True] and models == [False, True]
+
+
+PREPARE_CHECK = """
+import os, sys, threading, torch
+import engine.cli, engine.serve
+tasks = len(os.listdir("/proc/self/task"))
+assert engine.cli.prepare(["--model", sys.argv[1], "--port", "9", "--device", "cuda"]) is True
+assert len(os.listdir("/proc/self/task")) == tasks, "prepare started a native thread"
+assert threading.active_count() == 1, "prepare started a Python thread"
+assert not torch.cuda.is_initialized(), "prepare must not create a CUDA context"
+print("ok")
+"""
+
+
+def test_prepare_starts_no_thread_and_no_cuda(tiny_model):
+    # what the zygote runs between forks must leave it fit to fork: one thread of its own, no CUDA
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
+    done = subprocess.run([sys.executable, "-c", PREPARE_CHECK, str(tiny_model)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "ok"
