@@ -138,10 +138,13 @@ class AsyncEngine:
                     self._wake.wait(0.5 if quiet is None else quiet)
                     self._wake.clear()
                     continue
-                outputs = self.engine.step()
+                outputs = self.engine.step(self._deliver_soon)
                 self._loop.call_soon_threadsafe(self._deliver, outputs)
                 self._report()
                 self._apply_resizes()
+                if self.engine.blocked():  # nothing fits until the pool grows: wait, never spin
+                    self._wake.wait(0.5)
+                    self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - any failure ends the engine; report, then exit
             log.exception("engine_step_failed")
             self.error = e
@@ -197,6 +200,9 @@ class AsyncEngine:
                 result, error = None, e
             self._report()  # metrics show the new pool by the time the caller hears back
             self._loop.call_soon_threadsafe(_settle, done, result, error)
+
+    def _deliver_soon(self, outputs: list[RequestOutput]) -> None:
+        self._loop.call_soon_threadsafe(self._deliver, outputs)
 
     # --- event loop ----------------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:

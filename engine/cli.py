@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transform", choices=TRANSFORMS, default="none", help="weight transform (fp8-block)")
     p.add_argument("--kv-memory", type=parse_bytes, default=256 << 20,
                    help="KV cache budget per rank: bytes, or with a unit (256MiB, 1GiB; KB/MB/GB are decimal)")
+    p.add_argument("--kv-min-memory", type=parse_bytes, default=None,
+                   help="smallest pool per rank this engine starts with or shrinks to (default: one sequence "
+                        "of the longest context). Below that a sequence that outgrows the pool waits until the "
+                        "pool grows: a standby's small pool, grown when it is promoted")
     p.add_argument("--kv-block-size", type=int, default=KV_BLOCK_SIZE, help="positions per KV cache block")
     p.add_argument("--max-batch", type=int, default=16, help="most sequences decoded together")
     p.add_argument("--warmup-batch", type=int, default=1,
@@ -101,7 +105,7 @@ def make_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, weights=args.weights, socket=args.socket or default_run_dir() / SOCKET_NAME, host=args.host, port=args.port,
         tp=args.tp, tp_rank=args.tp_rank, dist_init=dist_init, device=args.device,
         dtype=resolve_dtype(args.model, args.dtype), transform=args.transform, kv_memory=args.kv_memory,
-        kv_block_size=args.kv_block_size,
+        kv_min_memory=args.kv_min_memory, kv_block_size=args.kv_block_size,
         max_batch=args.max_batch, max_model_len=args.max_model_len, served_model_name=args.served_model_name,
         drain_timeout=args.drain_timeout, max_body_bytes=args.max_body_bytes,
         admin_token_file=args.admin_token_file, warmup_batch=args.warmup_batch,

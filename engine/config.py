@@ -143,6 +143,7 @@ class EngineConfig:
     dtype: str = "float32"
     transform: str = "none"
     kv_memory: int = 256 << 20
+    kv_min_memory: int | None = None  # the pool's floor; None: one sequence of the longest context
     kv_block_size: int = KV_BLOCK_SIZE  # positions per KV block
     max_batch: int = 16
     max_model_len: int | None = None
@@ -165,6 +166,8 @@ class EngineConfig:
             (self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}"),
             (self.transform in TRANSFORMS, f"--transform must be one of {', '.join(TRANSFORMS)}"),
             (self.kv_memory > 0, "--kv-memory must be positive"),
+            (self.kv_min_memory is None or 0 < self.kv_min_memory <= self.kv_memory,
+             "--kv-min-memory must be positive and at most --kv-memory"),
             (self.kv_block_size >= 1, "--kv-block-size must be at least 1"),
             (self.max_batch >= 1, "--max-batch must be at least 1"),
             (self.prefill_chunk >= 0, "--prefill-chunk must not be negative (0: whole prompts)"),

@@ -77,7 +77,7 @@ class KVPool:
         self.layers, self.kv_heads, self.head_dim, self.block_size = layers, kv_heads, head_dim, block_size
         self.dtype, self.device = dtype, torch.device(device)
         self.bytes_per_block = bytes_per_block(layers, kv_heads, head_dim, block_size, dtype)
-        self.min_blocks, self.max_blocks = min_blocks, max_blocks  # one full context .. max_batch of them
+        self.min_blocks, self.max_blocks = min_blocks, max_blocks  # the floor .. max_batch full contexts
         self.chunks: list[torch.Tensor] = []
         self.starts: list[int] = []
         self.fused = fused.available(self.device)
@@ -86,18 +86,30 @@ class KVPool:
             self.offsets = torch.zeros((2, layers, max_blocks), dtype=torch.long, device=self.device)
 
     @classmethod
-    def from_budget(cls, budget: int, *, max_batch: int, max_len: int, block_size: int, layers: int,
-                    kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> KVPool:
-        """A pool of ``budget`` bytes (per rank), at least one sequence of ``max_len`` tokens (so the
-        oldest sequence can always finish), at most ``max_batch`` of them (more could never be used)."""
+    def from_budget(cls, budget: int, *, floor: int | None = None, max_batch: int, max_len: int,
+                    block_size: int, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    device) -> KVPool:
+        """A pool of ``budget`` bytes (per rank), at most ``max_batch`` sequences of ``max_len`` tokens
+        (more could never be used), and never below ``floor`` bytes, by default one sequence of
+        ``max_len`` tokens (so the oldest sequence can always finish). A smaller floor (a standby's
+        pool, at least one block) lets a sequence outgrow the pool: it then waits, preempted, until
+        the pool is grown (``engine.scheduler``)."""
         per_seq = -(-max_len // block_size)
-        pool = cls(layers, kv_heads, head_dim, block_size, dtype, device, min_blocks=per_seq,
+        block = bytes_per_block(layers, kv_heads, head_dim, block_size, dtype)
+        min_blocks = per_seq if floor is None else floor // block
+        if min_blocks < 1:
+            raise KVBudgetError(f"--kv-min-memory {floor} bytes is less than one KV block "
+                                f"({block} bytes per rank)")
+        pool = cls(layers, kv_heads, head_dim, block_size, dtype, device, min_blocks=min(min_blocks, max_batch * per_seq),
                    max_blocks=max_batch * per_seq)
         blocks = min(pool.max_blocks, budget // pool.bytes_per_block)
-        if blocks < per_seq:
-            raise KVBudgetError(f"--kv-memory {budget} bytes holds no sequence of {max_len} tokens "
-                                f"(one needs {per_seq * pool.bytes_per_block} bytes per rank); raise "
-                                f"--kv-memory or lower --max-model-len")
+        if blocks < pool.min_blocks:
+            if floor is None:
+                raise KVBudgetError(f"--kv-memory {budget} bytes holds no sequence of {max_len} tokens "
+                                    f"(one needs {per_seq * pool.bytes_per_block} bytes per rank); raise "
+                                    f"--kv-memory or lower --max-model-len")
+            raise KVBudgetError(f"--kv-memory {budget} bytes is below --kv-min-memory {floor} "
+                                f"({pool.min_blocks} blocks of {pool.bytes_per_block} bytes per rank)")
         pool.resize(_split(blocks))
         return pool
 

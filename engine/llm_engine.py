@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import structlog
 
@@ -67,6 +68,7 @@ class LLMEngine:
                                    runner.max_len, eos_ids)
         self.texts: dict[str, IncrementalText] = {}
         self._last_step_end, self._log_steps = time.perf_counter(), 0
+        self._blocked = False  # the last step found every sequence waiting for a bigger pool
 
     @property
     def max_len(self) -> int:
@@ -83,10 +85,34 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> list[RequestOutput]:
+    def blocked(self) -> bool:
+        """Sequences wait and none runs: the first needs more blocks than the whole pool holds (a
+        standby's pool below one full context, before its growth). Logged once per such wait."""
+        stuck = not self.scheduler.running and bool(self.scheduler.waiting)
+        if stuck and not self._blocked:
+            head = self.scheduler.waiting[0]
+            log.warning("kv_pool_too_small", seq=head.id, tokens=head.length,
+                        blocks_needed=self.scheduler.blocks.blocks_for(head.length),
+                        pool_blocks=self.scheduler.blocks.num_blocks,
+                        why="waits until the pool grows (a standby's pool, grown at promotion)")
+        self._blocked = stuck
+        return stuck
+
+    def step(self, deliver: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """Prefill what is pending (while others decode, at most ``prefill_chunk`` prompt tokens in
-        all, so a long prompt does not stall them), then one decode step for the rest."""
+        all, so a long prompt does not stall them), then one decode step for the rest.
+        ``deliver``: called with each prefill forward's outputs as soon as they are sampled, before the
+        step's next forward (a promoted standby prefills every migrated stream in one step, in several
+        forwards: the first streams' next tokens need not wait for the last ones'); what it was given
+        is not in the list returned."""
         outputs, t0 = [], time.perf_counter()
+
+        def prefilled(out: list[RequestOutput]) -> None:
+            if deliver is not None and out:
+                deliver(out)
+            else:
+                outputs.extend(out)
+
         prefill, decode = self.scheduler.schedule()
         budget = self.prefill_chunk if decode and self.prefill_chunk else None
         whole, parts = [], []
@@ -98,11 +124,11 @@ class LLMEngine:
             budget = None if budget is None else budget - n
         for group in _prefill_groups([s for s, _ in whole], self.prefill_tokens):
             plan = StepPlan("prefill", tuple(tuple(s.all_ids) for s in group), block_tables=_tables(group))
-            outputs += self._prefilled(group, self.runner.run(plan))
+            prefilled(self._prefilled(group, self.runner.run(plan)))
         for seq, n in parts:  # a chunk: one forward of its own, from where the last one stopped
             start = seq.length - seq.pending
             plan = StepPlan("prefill", (tuple(seq.all_ids[start:start + n]),), (start,), _tables([seq]))
-            outputs += self._prefilled([seq], self.runner.run(plan), n)
+            prefilled(self._prefilled([seq], self.runner.run(plan), n))
         if decode:
             plan = StepPlan("decode", tuple(s.last_token for s in decode), tuple(s.length - 1 for s in decode),
                             _tables(decode))

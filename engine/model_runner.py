@@ -60,7 +60,7 @@ class ModelRunner:
                               self.device)
         self.model: CausalLM = model.eval()
         t_model = time.perf_counter()
-        self.kv = KVPool.from_budget(cfg.kv_memory, max_batch=cfg.max_batch, max_len=self.max_len,
+        self.kv = KVPool.from_budget(cfg.kv_memory, floor=cfg.kv_min_memory, max_batch=cfg.max_batch, max_len=self.max_len,
                                      block_size=cfg.kv_block_size, layers=model_cfg.num_layers,
                                      kv_heads=model_cfg.num_kv_heads // cfg.tp, head_dim=model_cfg.head_dim,
                                      dtype=self.dtype, device=self.device)

@@ -7,6 +7,11 @@ its blocks are freed and it goes back to the head of the queue, to be prefilled 
 prompt and every token generated so far (recompute). Nothing is re-sent to its client: its text and
 sampling state live on, keyed by its position (``engine.sampling``), so it continues where it was.
 
+A pool normally holds at least one sequence of the longest context, so the oldest sequence can always
+finish. A standby's pool may be smaller (``--kv-min-memory``): a sequence that outgrows it is then
+preempted like any other, and waits at the head of the queue (the ones behind it too: first come,
+first served) until the pool is grown; the engine idles meanwhile (``LLMEngine.blocked``).
+
 The scheduler is owned by the engine thread; nothing here is thread-safe by itself.
 """
 

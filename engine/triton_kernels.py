@@ -38,6 +38,20 @@ def store_kv_kernel(k_ptr, v_ptr, anchor_ptr, offsets_ptr, slots_ptr, layer, str
 
 
 @triton.jit
+def _row_queries(q_ptr, stride_qb, stride_qh, b, kvh, GROUP: tl.constexpr, D: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Row ``b``'s ``GROUP`` query heads of kv head ``kvh``, [BLOCK_H, BLOCK_D] (zeros past GROUP and
+    D), with their head ids and the masks: what both decode kernels start from."""
+    hs = tl.arange(0, BLOCK_H)
+    ds = tl.arange(0, BLOCK_D)
+    hmask, dmask = hs < GROUP, ds < D
+    heads = kvh * GROUP + hs
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + ds[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    return q, heads, ds, hmask, dmask
+
+
+@triton.jit
 def _attend_span(q, anchor_ptr, k_offsets, off_which, tables_ptr, stride_tw, stride_tb, b, kvh, ds, dmask,
                  lo, hi, sm_scale, H_KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
@@ -87,12 +101,7 @@ def paged_decode_kernel(q_ptr, o_ptr, anchor_ptr, offsets_ptr, tables_ptr, lens_
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     n = tl.load(lens_ptr + b)
-    hs = tl.arange(0, BLOCK_H)
-    ds = tl.arange(0, BLOCK_D)
-    hmask, dmask = hs < GROUP, ds < D
-    heads = kvh * GROUP + hs
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + ds[None, :],
-                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    q, heads, ds, hmask, dmask = _row_queries(q_ptr, stride_qb, stride_qh, b, kvh, GROUP, D, BLOCK_H, BLOCK_D)
     acc, m_i, l_i = _attend_span(q, anchor_ptr, offsets_ptr + layer * off_layer, off_which, tables_ptr,
                                  stride_tw, stride_tb, b, kvh, ds, dmask, 0, n, sm_scale,
                                  H_KV, D, BS, BLOCK_H, BLOCK_D, BLOCK_N, IEEE)
@@ -173,12 +182,7 @@ def paged_decode_split_kernel(q_ptr, part_ptr, ml_ptr, anchor_ptr, offsets_ptr, 
     lo = sp * SPLIT
     if lo < n:
         hi = tl.minimum(lo + SPLIT, n)
-        hs = tl.arange(0, BLOCK_H)
-        ds = tl.arange(0, BLOCK_D)
-        hmask, dmask = hs < GROUP, ds < D
-        heads = kvh * GROUP + hs
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + ds[None, :],
-                    mask=hmask[:, None] & dmask[None, :], other=0.0)
+        q, heads, ds, hmask, dmask = _row_queries(q_ptr, stride_qb, stride_qh, b, kvh, GROUP, D, BLOCK_H, BLOCK_D)
         acc, m_i, l_i = _attend_span(q, anchor_ptr, offsets_ptr + layer * off_layer, off_which, tables_ptr,
                                      stride_tw, stride_tb, b, kvh, ds, dmask, lo, hi, sm_scale,
                                      H_KV, D, BS, BLOCK_H, BLOCK_D, BLOCK_N, IEEE)

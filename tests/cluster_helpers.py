@@ -334,22 +334,34 @@ class Rig:
 
     def settle(self, timeout: float = 90.0) -> None:
         """Both routers route to etcd's primary, and the other node's instance is a ready standby."""
+        seen: list = ["nothing read yet"]
+
         def ok() -> bool:
             try:
                 docs = [r.status() for r in self.routers]
                 primary = self.primary()
-            except (OSError, AssertionError, TypeError):
+            except (OSError, AssertionError, TypeError) as e:
+                seen[0] = repr(e)
                 return False
+            views = []
             for doc in docs:
                 svc = next((s for s in doc["services"] if s["name"] == "chat"), None)
+                views.append(None if svc is None else {
+                    "primary": svc["primary"], "ready": svc["ready"],
+                    "instances": {i["name"]: (i["role"], i["ready"]) for i in svc["instances"]}})
+            seen[0] = {"etcd primary": primary, "routers": views}
+            for svc in views:
                 if svc is None or svc["primary"] != primary or not svc["ready"]:
                     return False
-                roles = sorted((i["role"], i["ready"]) for i in svc["instances"])
+                roles = sorted(svc["instances"].values())
                 if roles != [("primary", True)] + [("standby", True)] * (self.slots - 1):
                     return False
             return True
-        wait_until(ok, timeout, "the cluster to settle (one primary, every other instance a ready standby, "
-                   "both routers agree)")
+        try:
+            wait_until(ok, timeout, "the cluster to settle (one primary, every other instance a ready standby, "
+                       "both routers agree)")
+        except AssertionError as e:  # what the routers last showed, to tell a slow box from a stuck role
+            raise AssertionError(f"{e}; last seen: {seen[0]}") from None
 
     def streaming(self, **kw) -> Streams:
         s = Streams(self.front.url, self.expected, **kw)

@@ -80,3 +80,21 @@ def test_prefill_chunk_zero_prefills_whole_prompts_even_while_others_decode(tiny
     assert {o.seq_id for o in engine.step()} == {"a", "long"}  # its first token in its first step
     while engine.has_work():
         engine.step()
+
+
+def test_each_prefill_forward_is_delivered_before_the_next_one_runs(tiny_model):
+    # a promoted standby's first step: many streams to prefill at once, in several forwards
+    engine = build_llm_engine(tiny_model, max_model_len=128, max_batch=8)
+    engine.prefill_tokens = 2 * len(PROMPT)  # two prompts per forward
+    for i in range(5):
+        engine.add(make_seq(f"s{i}", PROMPT, seed=i, max_tokens=4, ignore_eos=True))
+    forwards, delivered = [], []
+    run = engine.runner.run
+    engine.runner.run = lambda plan: forwards.append(plan.kind) or run(plan)
+    rest = engine.step(lambda outs: delivered.append((len(forwards), sorted(o.seq_id for o in outs))))
+    assert forwards == ["prefill"] * 3 and rest == []
+    assert [n for n, _ in delivered] == [1, 2, 3]  # each forward's first tokens before the next forward
+    assert sorted(i for _, ids in delivered for i in ids) == [f"s{i}" for i in range(5)]
+    # later steps: nothing pending to prefill, the decode's outputs come back as before
+    assert sorted(o.seq_id for o in engine.step(lambda outs: delivered.append(outs))) == [f"s{i}" for i in range(5)]
+    assert len(delivered) == 3

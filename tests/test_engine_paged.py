@@ -126,3 +126,52 @@ def test_pool_grown_and_shrunk_between_steps_changes_no_output(tiny_model, unpre
     assert engine.resize_kv(1).blocks_total == 16 and kv.num_blocks == 16
     assert engine.resize_kv(1 << 30).blocks_total == 64
     assert engine.resize_kv(40 * BLOCK_BYTES).bytes == 40 * BLOCK_BYTES
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_standby_pool_below_one_context_holds_what_outgrows_it_until_it_grows(tiny_model, unpreempted, device):
+    # a standby's pool: 4 blocks (16 positions) against a 64-token context, floor 4 blocks
+    engine = build_llm_engine(tiny_model, max_model_len=MAX_LEN, kv_block_size=BLOCK, max_batch=4,
+                              kv_memory=4 * BLOCK_BYTES, kv_min_memory=4 * BLOCK_BYTES, **device_kw(tiny_model, device))
+    assert engine.runner.kv.num_blocks == 4
+    seqs = requests()
+    for seq in seqs:
+        engine.add(seq)
+    results: dict[str, tuple] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            ids, text, _ = results.get(out.seq_id, ([], "", None))
+            results[out.seq_id] = (ids + out.token_ids, text + out.text, out.finish_reason)
+
+    for _ in range(200):  # nothing of 29+ tokens fits in 16 positions: everything ends up waiting
+        step()
+        if engine.blocked():
+            break
+    assert engine.blocked() and not engine.scheduler.running and engine.scheduler.waiting
+    assert engine.scheduler.preemptions >= 1
+    assert all(r[2] is None for r in results.values())  # nothing finished, nothing failed
+    stuck = engine.scheduler.preemptions
+    for _ in range(5):  # blocked steps change nothing
+        step()
+    assert engine.scheduler.preemptions == stuck and engine.blocked()
+    assert engine.resize_kv(64 * BLOCK_BYTES).blocks_total == 64  # the promotion's growth
+    for _ in range(2000):
+        step()
+        if not engine.has_work():
+            break
+    assert results == unpreempted(device)  # every client's ids and text: no gap, no repeat
+    # the floor is the standby's pool now, not one full context
+    assert engine.resize_kv(1).blocks_total == 4
+
+
+def test_a_floor_below_one_block_or_above_the_budget_is_refused(tiny_model):
+    from engine.config import ConfigError
+    from engine.kv_cache import KVBudgetError
+
+    with pytest.raises(KVBudgetError, match="less than one KV block"):
+        build_llm_engine(tiny_model, max_model_len=MAX_LEN, kv_block_size=BLOCK, kv_memory=4 * BLOCK_BYTES,
+                         kv_min_memory=BLOCK_BYTES - 1)
+    with pytest.raises(ConfigError, match="--kv-min-memory must be positive and at most --kv-memory"):
+        build_llm_engine(tiny_model, max_model_len=MAX_LEN, kv_block_size=BLOCK, kv_memory=4 * BLOCK_BYTES,
+                         kv_min_memory=5 * BLOCK_BYTES)

@@ -22,11 +22,15 @@ def daemon_argv(config: Config) -> list[str]:
     return argv
 
 
-def engine_argv(config: Config, svc: ServiceConfig, port: int, kv_bytes: int) -> list[str]:
+def engine_argv(config: Config, svc: ServiceConfig, port: int, kv_bytes: int,
+                kv_floor: int | None = None) -> list[str]:
     """``failover engine`` options for one instance: weights mapped from the daemon, never read;
-    a KV pool of ``kv_bytes`` (a primary's or a standby's budget)."""
+    a KV pool of ``kv_bytes`` (a primary's or a standby's budget) that never goes below ``kv_floor``
+    (a standby's budget, which may be less than one full context; None: the engine's default)."""
     m = config.model
     cap = ["--max-model-len", str(svc.max_model_len)] if svc.max_model_len else []
+    if kv_floor is not None:
+        cap += ["--kv-min-memory", str(kv_floor)]
     return [*cap, "--model", m.path, "--weights", "cache", "--socket", str(config.daemon_socket),
             "--host", config.engine_host, "--port", str(port), "--tp", str(m.tp), "--device", m.device,
             "--dtype", m.dtype, "--transform", m.transform, "--kv-memory", str(kv_bytes),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from cache_daemon import owned
 from cache_daemon.layout import undivided_by_tp
-from failover.config.kv import min_pool_bytes, standby_bytes
+from failover.config.kv import block_bytes, min_pool_bytes, standby_bytes
 from failover.config.schema import BatchConfig, Config, ConfigError, ModelConfig
 from failover.procs import memory
 from failover_common.ports import port_is_free
@@ -82,20 +82,21 @@ def _check_batch_files(key: str, batch: BatchConfig) -> list[str]:
 
 
 def _check_kv_floors(config: Config) -> list[str]:
-    """Each pool must hold one sequence of the longest context, or its engine refuses to start."""
+    """A primary's pool must hold one sequence of the longest context, or its engine refuses to
+    start; a standby's at least one block (a sequence that outgrows it waits for its growth)."""
     problems, m = [], config.model
     for i, svc in enumerate(config.service):
         if svc.command is not None:  # an external engine sizes its own cache
             continue
         floor = min_pool_bytes(m.path, m.dtype, m.tp, svc.max_model_len)
-        budgets = [("kv_memory", svc.kv_memory, svc.kv_memory_bytes)]
-        if svc.standby_kv_memory is not None:
-            budgets.append(("standby_kv_memory", svc.standby_kv_memory, svc.standby_kv_memory_bytes))
-        for key, given, size in budgets:
-            if size < floor:
-                problems.append(f"service[{i}].{key}: {given!r} holds no sequence of the model's longest "
-                                f"context; the minimum is {floor} bytes ({_mib(floor)}) per rank; raise it, "
-                                "or lower service.max_model_len")
+        if svc.kv_memory_bytes < floor:
+            problems.append(f"service[{i}].kv_memory: {svc.kv_memory!r} holds no sequence of the model's "
+                            f"longest context; the minimum is {floor} bytes ({_mib(floor)}) per rank; raise "
+                            "it, or lower service.max_model_len")
+        block = block_bytes(m.path, m.dtype, m.tp)
+        if svc.standby_kv_memory is not None and svc.standby_kv_memory_bytes < block:
+            problems.append(f"service[{i}].standby_kv_memory: {svc.standby_kv_memory!r} is less than one KV "
+                            f"block; the minimum is {block} bytes ({_mib(block)}) per rank")
     return problems
 
 

@@ -90,7 +90,9 @@ class EngineStarter:
         if svc.command is not None:
             return processes.spawn(slot.name, external_argv(self.config, svc, slot.name, slot.port),
                                    on_exit=on_exit, stdout=self.child_output)
-        argv = engine_argv(self.config, svc, slot.port, kv)
+        # an online instance's pool never shrinks below a standby's, which may be under one full context
+        floor = standby_bytes(svc, self.config.model) if svc.kind == "online" else None
+        argv = engine_argv(self.config, svc, slot.port, kv, floor)
         if self.sup.launch == "zygote" and not self.cold:
             if not self.zygote.ready:  # dead or being replaced: do not wait for its imports
                 log.warning("zygote_not_ready", slot=slot.name, fallback="spawn")

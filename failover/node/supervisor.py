@@ -74,7 +74,8 @@ class Supervisor:
             Watchdog("zygote_hung", lambda: self.zygote.child if self.zygote.ready else None, self.zygote.ping,
                      interval=self.sup.ping_interval, timeout=self.sup.ping_timeout)]
         self.engines = EngineStarter(config, self.zygote, child_output=child_output, progress=self.progress)
-        self.pools = PoolSizer(config.engine_token_path, lambda: self.engines.session, self._make_room)
+        self.pools = PoolSizer(config.engine_token_path, lambda: self.engines.session, self._make_room,
+                               config.model.device)
         launcher = NodeLauncher(fence=self.fence, is_batch=self.is_batch, preempt=self.preempt, resume=self.resume)
         self.cluster = NodeCluster(config, self.slots) if config.cluster else None  # roles in etcd
         self.router = NodeRouter(router_config(config), launcher, describe=self._describe,
@@ -228,10 +229,13 @@ class Supervisor:
         if slot is None or svc is None or svc.kind != "online" or svc.command is not None or self.stopping \
                 or not kind_of(svc).resizable_kv:
             return
+        if old == states.PRIMARY and new in (states.RELAUNCHING, states.STOPPED):
+            self.pools.primary_failed(slot)  # its memory is what the promoted instance grows into
         if new == states.PRIMARY and (slot.kv_bytes or 0) < svc.kv_memory_bytes:
             self.kv_grown.pop(inst.name, None)
             self.pools.want(slot, svc.kv_memory_bytes, f"promoted: {reason}",
-                            done=lambda elapsed: self._pool_grown(inst.service, inst.name, elapsed))
+                            done=lambda elapsed: self._pool_grown(inst.service, inst.name, elapsed),
+                            after_failure=reason not in ("promoted: planned", "promoted: drain"))
         elif new == states.STANDBY and old in (states.PRIMARY, states.DRAINING) and slot.pid is not None:
             self.pools.want(slot, standby_bytes(svc, self.config.model), f"back to standby: {reason}")
 
