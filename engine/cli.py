@@ -124,7 +124,8 @@ def preload(device: str) -> None:
 
 def prepare(argv: list[str]) -> bool:
     """In a zygote that has just forked ``main(argv)``: prepare what the next engines of this model
-    inherit (``engine.prepared``: tokenizer, meta-device model; no compute, no thread, no CUDA). Bad options are left to the forked engine to report. True when something new was prepared."""
+    inherit (``engine.prepared``: tokenizer, meta-device model; no compute, no thread, no CUDA).
+    Bad options are left to the forked engine to report. True when something new was prepared."""
     from engine import prepared
 
     try:
