@@ -3,17 +3,19 @@
 An engine's start reads the tokenizer (and compiles its chat template) and builds the model's module
 tree on the meta device. Neither needs CUDA or computes anything, both are the same for every engine
 of one model, and every relaunch paid them again (the tokenizer of a real model alone takes a few
-hundred milliseconds). The RoPE tables are not prepared here: computing them runs torch's CPU ops,
-and the first of those starts the intra-op thread pool, which a process that forks must not have
-(``tests/test_zygote_prepare.py`` checks that ``prepare`` leaves the zygote with no new thread). ``prepare`` does it once in the zygote (``engine.cli.prepare``,
-called by ``failover.procs.zygote`` after it forked an engine); every later fork inherits the result.
+hundred milliseconds). ``prepare`` does them once in the zygote (``engine.cli.prepare``, called by
+``failover.procs.zygote`` after it forked an engine); every later fork inherits the result. The RoPE
+tables are not prepared here: computing them runs torch's CPU ops, and the first of those starts the
+intra-op thread pool, which a process that forks must not have (``tests/test_zygote_prepare.py``
+checks that ``prepare`` leaves the zygote with no new thread).
 
 Ownership and lifetime: the prepared objects live in this module of the zygote; a forked engine gets
-its own copy-on-write copy. ``tokenizer`` hands out a shared object (nobody writes to it). ``skeleton`` hands its meta-device model out once
-per process (the caller assigns the weights into it): a second engine in the same process builds its
-own. Everything is keyed by the identity of the model's files (inode, size, mtime of config.json,
-generation_config.json, tokenizer.json, tokenizer_config.json): a checkpoint changed on disk after
-``prepare`` is never served from the old state, it is loaded afresh.
+its own copy-on-write copy. ``tokenizer`` hands out a shared object (nobody writes to it);
+``skeleton`` hands its meta-device model out once per process (the caller assigns the weights into
+it): a second engine in the same process builds its own. Everything is keyed by the identity of the
+model's files (inode, size, mtime of config.json, generation_config.json, tokenizer.json,
+tokenizer_config.json): a checkpoint changed on disk after ``prepare`` is never served from the old
+state, it is loaded afresh.
 """
 
 from __future__ import annotations

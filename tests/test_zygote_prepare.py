@@ -1,6 +1,6 @@
 """The zygote prepares a model's CPU-side start (tokenizer and chat template, meta-device model) after
-its first fork, with no thread and no CUDA; later forks inherit it and serve the same tokens; a changed checkpoint is loaded afresh;
-a failing prepare costs the zygote nothing."""
+its first fork, with no thread and no CUDA; later forks inherit it and serve the same tokens; a
+changed checkpoint is loaded afresh; a failing prepare costs the zygote nothing."""
 
 from __future__ import annotations
 
