@@ -88,8 +88,9 @@ def start_phases(node_log: Path, pid: int | None) -> str:
                     continue
                 if event != "listening" or e.get("pid") == pid:
                     found[event] = e
-    keep = ("context_ms", "weights_ms", "model_kv_ms", "model_ms", "kv_ms", "buffers_ms", "warmup_ms", "total_ms",
-            "prefill_ms", "decode_ms")
+    keep = ("before_ms", "context_ms", "weights_ms", "model_kv_ms", "model_ms", "skeleton_ms", "assign_ms",
+            "rope_ms", "kv_ms", "buffers_ms", "tokenizer_ms", "prepared_model", "prepared_tokenizer", "warmup_ms",
+            "total_ms", "prefill_ms", "decode_ms")
     return " ".join(f"{k}={v}" for e in found.values() for k, v in e.items() if k in keep) or "-"
 
 

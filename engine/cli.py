@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import io
 import json
 import signal
 import sys
@@ -118,6 +120,21 @@ def preload(device: str) -> None:
         from engine import fused
 
         fused.preload()
+
+
+def prepare(argv: list[str]) -> bool:
+    """In a zygote that has just forked ``main(argv)``: prepare what the next engines of this model
+    inherit (``engine.prepared``: tokenizer, meta-device model; no compute, no thread, no CUDA).
+    Bad options are left to the forked engine to report. True when something new was prepared."""
+    from engine import prepared
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # argparse's usage text: the engine prints its own
+            args = build_parser().parse_args(argv)
+        model_cfg = ModelConfig.from_dir(args.model)
+    except (SystemExit, ConfigError):
+        return False
+    return prepared.prepare(args.model, model_cfg, tp=args.tp, fp8=args.transform == "fp8-block")
 
 
 def main(argv: list[str]) -> int:

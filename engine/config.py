@@ -72,6 +72,10 @@ class ModelConfig:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
+    def served_len(self, max_model_len: int | None) -> int:
+        """The context an engine serves: ``--max-model-len`` capped by the model's."""
+        return min(max_model_len or self.context_len, self.context_len)
+
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"

@@ -42,9 +42,18 @@ def preload() -> None:
             get_ptxas_version(arch)
     except (ImportError, AttributeError, TypeError, RuntimeError, OSError):
         pass  # another Triton layout: the first launch pays for these instead
-    for kernel in (tk.store_kv_kernel, tk.paged_decode_kernel, tk.rms_norm_kernel, tk.silu_mul_kernel,
-                   tk.rope_kernel):
+    for kernel in kernels():
         kernel.cache_key  # noqa: B018 - a property that hashes the kernel's source and dependencies
+
+
+def kernels() -> list:
+    """Every ``@triton.jit`` kernel of ``engine.triton_kernels`` that is launched (not the helpers
+    they inline): the list is found, not written, so a kernel added later is preloaded too (the
+    split decode's two were missing from a hand-written one, and every engine hashed them in its
+    warm-up)."""
+    from triton.runtime.jit import JITFunction
+
+    return [k for name, k in vars(tk).items() if isinstance(k, JITFunction) and name.endswith("_kernel")]
 
 
 def _pow2(n: int, floor: int = 1) -> int:

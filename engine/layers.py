@@ -54,17 +54,23 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict, max_positions: int
     return inv_freq
 
 
+def rope_tables(head_dim: int, theta: float, scaling: dict, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) float32 on the CPU, [max_len, head_dim]: the rotation of every position."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, max_len)
+    pos = torch.arange(max_len, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, head_dim]
+    return emb.cos(), emb.sin()
+
+
 class Rotary(nn.Module):
     """cos/sin tables for every position up to ``max_len``, looked up per token."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict, max_len: int, device) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling, max_len)
-        pos = torch.arange(max_len, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, head_dim]
-        self.register_buffer("cos", emb.cos().to(device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+        cos, sin = rope_tables(head_dim, theta, scaling, max_len)
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAt:
         # positions [B, T] -> what rotates q and k [B, T, H, head_dim] at those positions

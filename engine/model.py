@@ -103,23 +103,33 @@ class CausalLM(nn.Module):
         self.rotary: Rotary | None = None
 
     @classmethod
+    def skeleton(cls, cfg: ModelConfig, tp: int, fp8: bool) -> CausalLM:
+        """The module tree on the meta device, without weights (CPU only: a zygote may build it
+        before it forks, ``engine.prepared``)."""
+        with torch.device("meta"):
+            model = cls(cfg, tp, fp8)
+        return model.requires_grad_(False)
+
+    @classmethod
     def from_weights(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, tp: int, fp8: bool,
                      max_len: int, device) -> CausalLM:
         """Build on the meta device, then make every parameter the tensor of ``weights`` (no copy)."""
-        with torch.device("meta"):
-            model = cls(cfg, tp, fp8)
-        model.requires_grad_(False)
-        weights = dict(weights)
-        if "lm_head.weight" not in weights and cfg.tie_word_embeddings:
-            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-        expected = set(model.state_dict())
-        missing, unexpected = expected - set(weights), set(weights) - expected
-        if missing or unexpected:
-            raise ValueError(f"weights do not match the {cfg.arch} config: missing {sorted(missing)[:5]}, "
-                             f"unexpected {sorted(unexpected)[:5]}")
-        model.load_state_dict(weights, strict=True, assign=True)
+        model = cls.skeleton(cfg, tp, fp8)
+        model.assign(weights)
         model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_len, device)
         return model.eval()
+
+    def assign(self, weights: dict[str, torch.Tensor]) -> None:
+        """Make every parameter of this (meta-device) model the very tensor of ``weights``."""
+        weights = dict(weights)
+        if "lm_head.weight" not in weights and self.cfg.tie_word_embeddings:
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        expected = set(self.state_dict())
+        missing, unexpected = expected - set(weights), set(weights) - expected
+        if missing or unexpected:
+            raise ValueError(f"weights do not match the {self.cfg.arch} config: missing {sorted(missing)[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]}")
+        self.load_state_dict(weights, strict=True, assign=True)
 
     def forward(self, tokens: torch.Tensor, kv: KVPool, batch: AttentionBatch) -> torch.Tensor:
         # tokens [B, T] -> hidden [B, T, hidden]

@@ -14,9 +14,11 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from engine import prepared
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVPool
+from engine.layers import Rotary
 from engine.model import CausalLM
 
 log = structlog.get_logger(__name__)
@@ -47,10 +49,16 @@ class ModelRunner:
             # of 16 took 5.1 s, the next 0.5 s (bench/first_wave.py), which a promoted standby
             # paid after every failover. Flash / memory-efficient attention have no such start.
             torch.backends.cuda.enable_cudnn_sdp(cfg.cudnn_attention)
-        self.max_len = min(cfg.max_model_len or model_cfg.context_len, model_cfg.context_len)
+        self.max_len = model_cfg.served_len(cfg.max_model_len)
         t0 = time.perf_counter()
-        self.model = CausalLM.from_weights(model_cfg, weights, tp=cfg.tp, fp8=cfg.transform == "fp8-block",
-                                           max_len=self.max_len, device=self.device)
+        # the module tree comes from the zygote when it prepared this model (engine.prepared)
+        model, had_skeleton = prepared.skeleton(cfg.model, model_cfg, cfg.tp, cfg.transform == "fp8-block")
+        t_skeleton = time.perf_counter()
+        model.assign(weights)
+        t_assign = time.perf_counter()
+        model.rotary = Rotary(model_cfg.head_dim, model_cfg.rope_theta, model_cfg.rope_scaling, self.max_len,
+                              self.device)
+        self.model: CausalLM = model.eval()
         t_model = time.perf_counter()
         self.kv = KVPool.from_budget(cfg.kv_memory, floor=cfg.kv_min_memory, max_batch=cfg.max_batch, max_len=self.max_len,
                                      block_size=cfg.kv_block_size, layers=model_cfg.num_layers,
@@ -66,8 +74,9 @@ class ModelRunner:
         self.greedy: torch.Tensor | None = None  # the last decode's argmax ids, on the device
         log.info("kv_cache_allocated", blocks=self.kv.num_blocks, block_size=self.kv.block_size,
                  chunks=len(self.kv.chunks), max_len=self.max_len, bytes=self.kv.nbytes,
-                 model_ms=round((t_model - t0) * 1e3, 1), kv_ms=round((t_kv - t_model) * 1e3, 1),
-                 buffers_ms=round((time.perf_counter() - t_kv) * 1e3, 1))
+                 model_ms=_ms(t0, t_model), skeleton_ms=_ms(t0, t_skeleton), assign_ms=_ms(t_skeleton, t_assign),
+                 rope_ms=_ms(t_assign, t_model), kv_ms=_ms(t_model, t_kv), buffers_ms=_ms(t_kv, time.perf_counter()),
+                 prepared_model=had_skeleton)
 
     @property
     def graphs_pending(self) -> bool:
@@ -130,3 +139,7 @@ class ModelRunner:
             table = tuple(range(-(-len(token_ids) // self.kv.block_size)))
             batch = self.kv.prefill_batch((table,), [len(token_ids)])
             return self.model.logits(self.model(tokens, self.kv, batch))[0]
+
+
+def _ms(a: float, b: float) -> float:
+    return round((b - a) * 1e3, 1)

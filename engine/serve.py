@@ -18,6 +18,7 @@ import time
 import structlog
 from aiohttp import web
 
+from engine import prepared
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed import init_group, spawn_workers, stop_workers
@@ -26,14 +27,14 @@ from engine.metrics import EngineMetrics
 from engine.model_runner import ModelRunner
 from engine.protocol import ServingContext
 from engine.server import EngineServer
-from engine.tokenizer import Tokenizer
 from engine.weights import LoadedWeights, load_weights
 
 log = structlog.get_logger(__name__)
 
 
-def build_engine(cfg: EngineConfig, model_cfg: ModelConfig, keep: dict) -> LLMEngine:
-    """Join the TP group, get the weights, allocate KV, warm up. Runs on the engine thread."""
+def build_engine(cfg: EngineConfig, model_cfg: ModelConfig, keep: dict, started: float | None = None) -> LLMEngine:
+    """Join the TP group, get the weights, allocate KV, warm up. Runs on the engine thread.
+    ``started``: when the process began serving (perf_counter), for the log."""
     t0 = time.perf_counter()
     init_group(cfg)
     if cfg.device == "cuda":
@@ -46,14 +47,18 @@ def build_engine(cfg: EngineConfig, model_cfg: ModelConfig, keep: dict) -> LLMEn
     keep["weights"] = weights  # the mapping must outlive the model
     t_weights = time.perf_counter()
     runner = ModelRunner(cfg, model_cfg, weights.tensors)
-    tokenizer = Tokenizer(cfg.model)
+    t_model_kv = time.perf_counter()
+    tokenizer, had_tokenizer = prepared.tokenizer(cfg.model)  # from the zygote when it prepared this model
     engine = LLMEngine(runner, tokenizer, model_cfg.eos_token_ids + tokenizer.eos_token_ids)
     t_runner = time.perf_counter()
     engine.warmup(cfg.warmup_batch)
     t_warm = time.perf_counter()
-    # where a start goes (bench/relaunch.py prints these per round)
-    log.info("engine_built", context_ms=_ms(t0, t_context), weights_ms=_ms(t_context, t_weights),
-             model_kv_ms=_ms(t_weights, t_runner), warmup_ms=_ms(t_runner, t_warm), total_ms=_ms(t0, t_warm))
+    # where a start goes (bench/relaunch.py prints these per round); before_ms: the process's own
+    # start before the build (the listener, the engine thread)
+    log.info("engine_built", before_ms=_ms(started, t0) if started is not None else None,
+             context_ms=_ms(t0, t_context), weights_ms=_ms(t_context, t_weights),
+             model_kv_ms=_ms(t_weights, t_model_kv), tokenizer_ms=_ms(t_model_kv, t_runner),
+             prepared_tokenizer=had_tokenizer, warmup_ms=_ms(t_runner, t_warm), total_ms=_ms(t0, t_warm))
     return engine
 
 
@@ -63,7 +68,7 @@ def _ms(a: float, b: float) -> float:
 
 async def serve(cfg: EngineConfig, model_cfg: ModelConfig, argv: list[str],
                 admin_token: bytes | None = None) -> int:
-    started = time.monotonic()
+    started, started_perf = time.monotonic(), time.perf_counter()
     loop = asyncio.get_running_loop()
     stop, outcome = asyncio.Event(), {"code": 0}
 
@@ -74,7 +79,7 @@ async def serve(cfg: EngineConfig, model_cfg: ModelConfig, argv: list[str],
 
     metrics = EngineMetrics(cfg.model_name)
     keep: dict = {}
-    engine = AsyncEngine(lambda: build_engine(cfg, model_cfg, keep), on_step=metrics.set_queue,
+    engine = AsyncEngine(lambda: build_engine(cfg, model_cfg, keep, started_perf), on_step=metrics.set_queue,
                          on_fatal=lambda e: loop.call_soon(fail, f"the engine failed: {e}"),
                          on_graphs=metrics.set_graphs)
     server = EngineServer(cfg, engine, metrics, admin_token)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jinja2.sandbox import ImmutableSandboxedEnvironment  # imported here: a zygote pays for it once
 from tokenizers import Tokenizer as HFTokenizer
 
 PLAIN_TEMPLATE = (
@@ -67,8 +68,6 @@ class Tokenizer:
 
 
 def _compile(source: str):
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message):
         raise TemplateError(message)
 

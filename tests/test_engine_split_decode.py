@@ -56,6 +56,10 @@ import engine.cli
 engine.cli.preload("cuda")
 from triton.runtime.cache import triton_key
 assert triton_key.cache_info().currsize == 1, "Triton's install hash is cached for the forks"
+from engine import fused
+names = {k.fn.__name__ for k in fused.kernels()}
+assert {"paged_decode_split_kernel", "paged_decode_combine_kernel", "store_kv_kernel", "rope_kernel"} <= names, names
+assert all(k.hash is not None for k in fused.kernels()), "every launched kernel's source hash is cached"
 assert not torch.cuda.is_initialized(), "the preload must not create a CUDA context"
 print("ok")
 """

@@ -28,8 +28,11 @@ import traceback
 import warnings
 
 import msgspec
+import structlog
 
 from failover_common import frames
+
+log = structlog.get_logger(__name__)
 
 MAX_FRAME = 1 << 20
 
@@ -119,6 +122,25 @@ def serve(sock: socket.socket, preload: list[str], import_s: float) -> int:
             sock.sendall(encode(Failed(id=msg.id, message=f"fork failed: {e}")))
             continue
         sock.sendall(encode(Forked(id=msg.id, pid=pid)))
+        _prepare(msg)
+
+
+def _prepare(req: Fork) -> None:
+    """After a fork (answered already): the target's module may prepare, in the zygote, what later
+    forks of the same target inherit: ``module.prepare(argv)`` (``engine.cli.prepare``: the model's
+    tokenizer and meta-device module tree). It must start no thread and touch no CUDA, like every
+    preload. A failure is logged and costs nothing but the head start."""
+    module, _, _ = req.target.partition(":")
+    try:
+        prepare = getattr(importlib.import_module(module), "prepare", None)
+        if prepare is not None:
+            t0 = time.perf_counter()
+            if prepare(req.argv):
+                log.info("zygote_prepared", target=req.target, after=req.name,
+                         ms=round((time.perf_counter() - t0) * 1e3, 1))
+    except Exception as e:  # noqa: BLE001 - the zygote keeps forking; the engine loads it itself
+        log.warning("zygote_prepare_failed", target=req.target, error=f"{type(e).__name__}: {e}",
+                    detail="the next forks load it themselves")
 
 
 def _double_fork(req: Fork, sock: socket.socket) -> int:
@@ -188,10 +210,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated modules to import before forking")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="also load what attaching weights on this device needs (no CUDA context)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     a = p.parse_args(argv)
+    from failover_common.logs import configure_logging
     from failover_common.proc import set_process_name
 
     set_process_name("fo:zygote")
+    configure_logging(a.log_level, process="zygote")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
     # Python >= 3.12 warns at every fork of a process with more than one thread. `import torch`
     # starts one native helper thread (parked on a futex, holding no lock a child needs); the zygote
