@@ -140,4 +140,7 @@ def pack_ranks(chan: socket.socket, args: argparse.Namespace) -> None:
 
 def _serve_and_close(relay: Relay, rank: int, sock: socket.socket) -> None:
     with sock:
-        relay.serve(rank, sock)
+        try:
+            relay.serve(rank, sock)
+        except (ProtocolError, OSError) as e:  # the daemon's channel (or the rank's, mid-reply) broke
+            relay.fail(rank, f"relaying its frames failed: {e}")

@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from coserve_helpers import Burst, CoNode, batch_input, node_config, read_output
+from failover.coserve.load import engine_totals
 from failover.procs.smaps import tree_memory
 from failover.procs.tree import group_members, mapped_shm
 from supervisor_helpers import wait_until
@@ -53,6 +54,13 @@ def _answers(url: str, lines: list[dict]) -> dict[str, tuple]:
     finally:
         c.close()
     return out
+
+
+def http_text(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read().decode()
 
 
 def _parse(text: str) -> dict | None:
@@ -124,6 +132,10 @@ def test_a_vllm_batch_service_on_cached_weights_is_preempted_and_resumed_losing_
         done = b["done"]
         want = _answers(node.url, lines)  # the online service serves while the batch is out
         assert node.batch("bulk")["done"] == done  # nothing ran while preempted
+        # the load trigger reads vLLM's own metric names from the online primary's /metrics
+        ttft_sum, ttft_count, waiting = engine_totals(http_text(f"http://127.0.0.1:{node.slot('chat-0')['port']}"
+                                                                "/metrics"))
+        assert ttft_count >= len(lines) and ttft_sum > 0 and waiting == 0, (ttft_sum, ttft_count, waiting)
         res = node.cli("resume", "bulk")
         assert res.returncode == 0, res.stderr
 
@@ -145,8 +157,11 @@ def test_a_vllm_batch_service_on_cached_weights_is_preempted_and_resumed_losing_
         b = node.batch("bulk")
         assert b["resumes"] == 2, b
     finally:
-        resumed = node.events("batch_resumed")
+        resumed, evicted = node.events("batch_resumed"), node.events("batch_preempted")
         node.stop()
+    for e in evicted + resumed:  # the figures docs/vllm.md quotes (-s)
+        print({k: e.get(k) for k in ("event", "reason", "term_to_gone_ms", "trigger_to_memory_free_ms",
+                                     "ready_ms", "first_result_ms", "cut_off")})
 
     out = read_output(run_dir / "out.jsonl")
     assert Counter(r["id"] for r in out) == Counter(ids)  # every id exactly once
