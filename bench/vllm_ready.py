@@ -10,7 +10,10 @@ servers one after the other (the earlier ones stay up) and prints per instance: 
 (RSS, PSS, private, shared) and of the daemon's arena inside it (RSS vs PSS: shared pages count
 1/N in PSS), plus what the model loader copied (buffers) and repacked (``--cpu-gemm prepack``).
 
-    python bench/vllm_ready.py [--hidden 1024 --layers 8 --instances 2] [--weights both] [--device cpu]
+    python bench/vllm_ready.py [--hidden 1024 --layers 8 --instances 2] [--weights both] [--device cpu] [--tp 2]
+
+``--tp 2``: each instance is a tp-2 vLLM (two ``VLLM::Worker_TP<r>``, gloo on CPU) and the daemon packs
+one arena per rank (failover_vllm.ranks: one packer process per rank).
 
 Runs where ``import vllm`` works (docs/vllm.md, "Tests"). ``--device cuda`` runs the same on a GPU
 (the daemon packs into CUDA VMM arenas; memory per process from nvidia-smi); it has NOT been run:
@@ -66,11 +69,13 @@ ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ
 def start(model: Path, port: int, args, log, extra: list[str]) -> subprocess.Popen:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench", "--dtype", args.dtype,
-            "--kv-cache-memory-bytes", str(256 << 20), *FLAGS, *extra]
+            "--kv-cache-memory-bytes", str(256 << 20), "--tensor-parallel-size", str(args.tp), *FLAGS, *extra]
+    # tp > 1 on CPU: as the supervisor starts vLLM (tp 1 keeps vLLM's default, as the earlier figures had it)
+    env = ENV | ({"VLLM_CPU_OMP_THREADS_BIND": "nobind"} if args.device == "cpu" and args.tp > 1 else {})
     if args.device == "cuda":
         argv += ["--gpu-memory-utilization", "0.3"]
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, env=ENV)
+                            start_new_session=True, env=env)
 
 
 def wait_health(port: int, proc: subprocess.Popen, timeout: float) -> float:
@@ -108,7 +113,7 @@ def stop(proc: subprocess.Popen) -> None:
 def start_daemon(model: Path, run_dir: Path, args, log) -> tuple[subprocess.Popen, float]:
     """The cache daemon with vLLM's layout; returns it and the seconds to its ready file."""
     argv = [sys.executable, "-m", "cache_daemon", "--model", str(model), "--run-dir", str(run_dir),
-            "--engine", "vllm", "--device", args.device, "--dtype", args.dtype, "--progress", "off",
+            "--engine", "vllm", "--device", args.device, "--dtype", args.dtype, "--progress", "off", "--tp", str(args.tp),
             *(f"--engine-arg={f}" for f in FLAGS)]
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -181,13 +186,14 @@ def main() -> None:
     p.add_argument("--instances", type=int, default=2)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every instance (and of the daemon's arenas)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--weights", choices=("both", "cache", "disk"), default="both")
     p.add_argument("--cpu-gemm", choices=("shared", "prepack"), default="shared",
                    help="cache on CPU: arena weights as they are (shared) or vLLM's oneDNN pre-pack (a private copy)")
     args = p.parse_args()
     print(f"# bench/vllm_ready.py {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-          f"{platform.node()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, device {args.device}")
+          f"{platform.node()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, device {args.device}, tp {args.tp}")
     with tempfile.TemporaryDirectory(prefix="vllm-bench-") as d:
         spec = TinySpec(hidden=args.hidden, layers=args.layers, heads=args.hidden // 64, kv_heads=max(1, args.hidden // 256),
                         head_dim=64, intermediate=args.hidden * 3, vocab=32000, max_positions=1024)
@@ -203,7 +209,7 @@ def main() -> None:
                 with open(Path(d) / "daemon.log", "wb") as log:
                     daemon, seconds = start_daemon(model, run_dir, args, log)
                 sock = run_dir / "daemon.sock"
-                print(f"cache daemon: vLLM's own loading packed into an arena in {seconds:.1f} s (once per node, "
+                print(f"cache daemon: vLLM's own loading packed into {args.tp} arena(s) in {seconds:.1f} s (once per node, "
                       "before any instance; includes the interpreter's and vLLM's imports)", flush=True)
             for mode in modes:
                 run_mode(mode, model, Path(d), args, sock, weights)

@@ -11,7 +11,9 @@ Registered by the plugin (failover_vllm.plugin) in every vLLM process. Options, 
 - ``cpu_gemm``: ``"shared"`` (default) or ``"prepack"``, see failover_vllm.layout.cpu_gemm.
 - ``report``: a file this loader writes (0600, JSON) once the weights are in place: ``source``
   (``cache`` or ``disk``), the fingerprint's key, and the bytes shared with the arena, copied and
-  repacked. The supervisor reads it as the instance's ``weights_source``.
+  repacked. The supervisor reads it as the instance's ``weights_source``. With tensor parallelism
+  each rank's worker runs this loader on its own rank's arena; rank 0 writes the report (its
+  figures, ``tp_size`` beside them): the instance is ready only once every rank has loaded.
 
 How: the model is built on the meta device (no weight memory), every parameter is registered as a
 read-only view of the daemon's arena (cache_daemon.client.attach: one mmap of a memfd on CPU, one
@@ -119,7 +121,7 @@ class FailoverModelLoader(BaseModelLoader):
             disk = dataclasses.replace(self.load_config, load_format="auto", model_loader_extra_config={})
             model = DefaultModelLoader(disk).load_model(vllm_config=vllm_config, model_config=model_config,
                                                         prefix=prefix)
-            self._report({"source": "disk", "reason": str(e)})
+            self._report(config, {"source": "disk", "reason": str(e)})
             return model
         except FingerprintMismatch as e:
             raise FailoverWeightsError("the cache daemon holds this model packed with other settings; differing "
@@ -130,15 +132,16 @@ class FailoverModelLoader(BaseModelLoader):
             raise FailoverWeightsError(f"the cache daemon at {self.options.socket} refused the weights: {e}") from e
         model = self._build(vllm_config, model_config, prefix, handle)
         seconds = round(time.perf_counter() - t0, 4)
-        log.info("failover_weights_mapped", key=config.key, seconds=seconds, cpu_gemm=self.options.cpu_gemm,
-                 **model.failover_figures)
-        self._report({"source": "cache", "key": config.key, "seconds": seconds, "cpu_gemm": self.options.cpu_gemm,
-                      **model.failover_figures})
+        log.info("failover_weights_mapped", key=config.key, tp_rank=config.tp_rank, seconds=seconds,
+                 cpu_gemm=self.options.cpu_gemm, **model.failover_figures)
+        self._report(config, {"source": "cache", "key": config.key, "seconds": seconds,
+                              "cpu_gemm": self.options.cpu_gemm, **model.failover_figures})
         return model
 
-    def _report(self, info: dict) -> None:
-        if not self.options.report:
-            return
+    def _report(self, config, info: dict) -> None:
+        if not self.options.report or config.tp_rank != 0 or config.pp_rank != 0:
+            return  # one report per instance (see the module docstring)
+        info |= {"tp_size": config.tp_size}
         import json
         import os
 

@@ -8,13 +8,15 @@ takes every tensor of the result (failover_vllm.layout.named_tensors), packs the
 (memfd on CPU, CUDA VMM on GPU: cache_daemon.loader.ArenaWriter) and registers it with the daemon
 under the vLLM fingerprint (failover_vllm.fingerprint). Then it exits; the arena outlives it.
 
-Only ``--tp 1`` for now: vLLM's loading needs its tensor-parallel group, i.e. one process per rank
-rendezvousing together; that is not written yet, and is refused with a message.
+With ``--tp N`` > 1 this process only starts and relays one packer per rank (failover_vllm.ranks):
+vLLM shards while it loads, inside a real tensor-parallel group, so each rank is a process of its
+own (``--rank R --dist-port P``), which runs :func:`pack` for its shard.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 import time
@@ -23,6 +25,8 @@ import structlog
 
 from cache_daemon.loader import ArenaWriter, Progress, register, run_child
 from cache_daemon.manifest import ITEMSIZE, Manifest, plan
+
+from .ranks import free_port, pack_ranks
 
 log = structlog.get_logger(__name__)
 
@@ -50,8 +54,9 @@ def vllm_config(model: str, dtype: str, tp: int, device: str, engine_args: list[
     return EngineArgs.from_cli_args(ns).create_engine_config()
 
 
-def load_model(vc, device: str):
-    """vLLM's model, loaded from disk by vLLM as a one-rank instance would."""
+def load_model(vc, device: str, rank: int, port: int):
+    """vLLM's model, loaded from disk by vLLM as rank ``rank`` of an instance would: this process is
+    that rank of a tensor-parallel group of ``vc``'s size, rendezvousing on ``port``."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
@@ -60,20 +65,28 @@ def load_model(vc, device: str):
 
     from .layout import cpu_gemm
 
-    with socket.socket() as s:  # a free port for the one-process group
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    tp = vc.parallel_config.tensor_parallel_size
     if device == "cpu":
         from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
 
         _set_torch_accelerator_to_noop()  # as vLLM's CPU worker does: no accelerator calls
+        # vLLM's CPU tp group names its shared-memory all-reduce after this (cpu_worker does the same)
+        os.environ["VLLM_DIST_IDENT"] = f"failover-pack-{port}"
     else:
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     with set_current_vllm_config(vc):
-        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, current_platform.dist_backend)
-        ensure_model_parallel_initialized(1, 1)
+        init_distributed_environment(tp, rank, f"tcp://127.0.0.1:{port}", rank, current_platform.dist_backend)
+        ensure_model_parallel_initialized(tp, 1)
         with cpu_gemm("shared"):  # the arena holds the unpacked weights (failover_vllm.layout)
             return get_model_loader(vc.load_config).load_model(vllm_config=vc, model_config=vc.model_config)
+
+
+def _leave_group() -> None:
+    """Tear the tensor-parallel group down (its gloo sockets, vLLM's CPU shared-memory all-reduce)."""
+    from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
 
 
 def pack(chan: socket.socket, args: argparse.Namespace) -> None:
@@ -81,8 +94,9 @@ def pack(chan: socket.socket, args: argparse.Namespace) -> None:
     from .layout import named_tensors
 
     t0 = time.perf_counter()
+    rank = args.rank or 0
     vc = vllm_config(args.model, args.dtype, args.tp, args.device, args.engine_arg)
-    model = load_model(vc, args.device)
+    model = load_model(vc, args.device, rank, args.dist_port or free_port())
     loaded_s = time.perf_counter() - t0
     tensors, aliases = named_tensors(model)
     specs = []
@@ -92,9 +106,13 @@ def pack(chan: socket.socket, args: argparse.Namespace) -> None:
             raise PackError(f"{name} is {dtype}, which the arena format cannot hold yet")
         specs.append(_Spec(name, dtype, tuple(t.shape), kind))
     entries, size = plan(specs)
-    config = vllm_cache_config(vc, tp_rank=0)
+    kinds: dict[str, int] = {}
+    for _n, kind, t in tensors:
+        kinds[kind] = kinds.get(kind, 0) + t.nbytes
+    config = vllm_cache_config(vc, tp_rank=rank)
     progress = Progress(chan, size)
-    arena = ArenaWriter(size, args.device, 0, args.chunk_bytes, f"vllm-{config.key}-r0")
+    index = 0 if args.device == "cpu" else _cuda_index()
+    arena = ArenaWriter(size, args.device, index, args.chunk_bytes, f"vllm-{config.key}-r{rank}")
     try:
         for (name, _kind, t), entry in zip(tensors, entries, strict=True):
             arena.write(entry.offset, t.contiguous())
@@ -103,10 +121,9 @@ def pack(chan: socket.socket, args: argparse.Namespace) -> None:
         register(chan, config, Manifest(tuple(entries), aliases, (arena.spec,)), arena)
     finally:
         arena.close()
-    kinds = {}
-    for _n, kind, t in tensors:
-        kinds[kind] = kinds.get(kind, 0) + t.nbytes
-    log.info("vllm_rank_packed", rank=0, key=config.key, tensors=len(entries), aliases=len(aliases),
+        del model, tensors
+        _leave_group()
+    log.info("vllm_rank_packed", rank=rank, key=config.key, tensors=len(entries), aliases=len(aliases),
              bytes=size, bytes_by_kind=kinds, vllm_load_s=round(loaded_s, 3),
              seconds=round(time.perf_counter() - t0, 3))
 
@@ -122,20 +139,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--log-level", default="info")
     p.add_argument("--engine-arg", action="append", default=[])
+    p.add_argument("--rank", type=int, default=None, help="this process packs one rank (of --tp ranks)")
+    p.add_argument("--dist-port", type=int, default=0, help="with --rank: the tp group's rendezvous port")
     return p.parse_args(argv)
+
+
+def _cuda_index() -> int:
+    import torch
+
+    return torch.cuda.current_device()
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
 
     def load(chan: socket.socket) -> None:
-        if args.tp != 1:
-            raise PackError(f"packing vLLM's layout for tp {args.tp} is not implemented (one process per rank "
-                            "is needed); use weights = \"disk\" for this service, or tp 1")
-        pack(chan, args)
+        if args.rank is not None and not 0 <= args.rank < args.tp:
+            raise PackError(f"--rank {args.rank} is not one of the {args.tp} ranks")
+        if args.tp > 1 and args.rank is None:
+            pack_ranks(chan, args)  # one process per rank, each running pack() below
+        else:
+            pack(chan, args)
 
     # any failure of vLLM's loading is this load's failure, reported to the daemon
-    return run_child(args, "vllm-loader", load, (Exception,), event="vllm_pack_failed", traceback=True)
+    name = "vllm-loader" if args.rank is None else f"vllm-loader-r{args.rank}"
+    return run_child(args, name, load, (Exception,), event="vllm_pack_failed", traceback=True)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -36,10 +36,17 @@ def test_a_vllm_service_maps_the_daemons_weights_by_default_and_the_daemon_packs
     argv = vllm_argv(config, config.service[0], 9100, 1 << 28, report="/tmp/fo-x/chat-0.weights.json")
     assert argv[argv.index("--load-format") + 1] == "failover"
     extra = json.loads(argv[argv.index("--model-loader-extra-config") + 1])
-    assert extra == {"socket": str(config.daemon_socket), "report": "/tmp/fo-x/chat-0.weights.json"}
+    assert extra == {"socket": str(config.daemon_socket), "cpu_gemm": "shared", "report": "/tmp/fo-x/chat-0.weights.json"}
     d = daemon_argv(config)
     assert d[d.index("--engine") + 1] == "vllm" and d[d.index("--engine-python") + 1] == "/opt/v/bin/python"
     assert "--engine-arg=--enforce-eager" in d and "--engine-arg=--max-model-len=512" in d
+
+
+def test_cpu_gemm_prepack_reaches_the_model_loader_and_leaves_the_daemons_packing_alone():
+    config = parse_config(_raw(engine="vllm", cpu_gemm="prepack"))
+    argv = vllm_argv(config, config.service[0], 9100, 1 << 28)
+    assert json.loads(argv[argv.index("--model-loader-extra-config") + 1])["cpu_gemm"] == "prepack"
+    assert daemon_argv(config) == daemon_argv(parse_config(_raw(engine="vllm")))  # one arena for both modes
 
 
 def test_weights_disk_opts_a_vllm_service_out_of_the_daemon():
@@ -62,6 +69,9 @@ def test_a_vllm_standby_gets_the_full_pool_unless_told_otherwise():
     ({"engine": "vllm", "weights": "ram"}, r"service\[0\]\.weights"),
     ({"weights": "disk"}, "bundled engine always maps"),
     ({"engine": "vllm", "engine_args": ["--load-format", "auto"]}, "set by the supervisor"),
+    ({"engine": "vllm", "cpu_gemm": "onednn"}, r"service\[0\]\.cpu_gemm"),
+    ({"engine": "vllm", "weights": "disk", "cpu_gemm": "prepack"}, "packs its own copy anyway"),
+    ({"cpu_gemm": "prepack"}, 'only for engine = "vllm" with weights = "cache"'),
 ])
 def test_bad_engine_settings_are_refused_naming_the_key(service, words):
     with pytest.raises(ConfigError, match=words):

@@ -23,7 +23,7 @@ from failover_common.ports import free_port
 from failover.procs.smaps import tree_memory
 from failover.procs.tree import group_members
 from supervisor_helpers import Node, wait_until, write_config
-from vllm_helpers import READY_TIMEOUT, VLLM_FLAGS, VllmServer, needs_vllm, vllm_checkpoint
+from vllm_helpers import READY_TIMEOUT, VLLM_FLAGS, VllmServer, needs_vllm, packing_daemon, vllm_checkpoint
 
 pytestmark = [needs_vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 PROMPTS = ["once upon a time", "the quick brown fox", "1 2 3 4"]
@@ -50,30 +50,10 @@ def _extra(sock: Path, **options) -> tuple[str, ...]:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     """A cache daemon holding vLLM's layout of the tiny checkpoint; stopped at the end."""
-    from conftest import Procs
-
     base = tmp_path_factory.mktemp("vw")
     model = vllm_checkpoint(base / "model")
-    run_dir = Path(os.path.realpath("/tmp")) / f"fo-vw-{os.getpid()}"
-    run_dir.mkdir(mode=0o700)
-    procs = Procs()
-    fd, log = procs.temp_file("vw-daemon-")
-    try:
-        proc = procs.python("-m", "cache_daemon", "--model", str(model), "--run-dir", str(run_dir),
-                            "--engine", "vllm", "--dtype", "float32", *(f"--engine-arg={a}" for a in VLLM_FLAGS),
-                            "--progress", "off", stderr=fd, stdout=fd)
-        os.close(fd)
-        wait_until(lambda: (run_dir / "daemon.ready").exists() or proc.poll() is not None, READY_TIMEOUT,
-                   "the daemon to pack vLLM's layout")
-        assert proc.poll() is None, log.read_text()[-3000:]
-        yield model, run_dir / "daemon.sock", base
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0, log.read_text()[-3000:]
-    finally:
-        procs.stop_all()
-        for f in run_dir.iterdir():
-            f.unlink()
-        run_dir.rmdir()
+    with packing_daemon(model, "vw") as sock:
+        yield model, sock, base
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ torchvision, torchaudio and torchcodec it pulls), and are skipped with that reas
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import signal
@@ -38,18 +39,48 @@ def vllm_checkpoint(dir: Path) -> Path:
     return write_checkpoint(dir, SPEC)
 
 
+@contextlib.contextmanager
+def packing_daemon(model: Path, tag: str, tp: int = 1):
+    """A cache daemon holding vLLM's layout of ``model`` (``--engine vllm``, ``tp`` ranks); yields its
+    socket; stopped (exit 0 asserted) and its run dir removed at the end."""
+    from conftest import Procs
+    from supervisor_helpers import wait_until
+
+    run_dir = Path(os.path.realpath("/tmp")) / f"fo-{tag}-{os.getpid()}"
+    run_dir.mkdir(mode=0o700)
+    procs = Procs()
+    fd, log = procs.temp_file(f"{tag}-daemon-")
+    try:
+        proc = procs.python("-m", "cache_daemon", "--model", str(model), "--run-dir", str(run_dir), "--tp", str(tp),
+                            "--engine", "vllm", "--dtype", "float32", *(f"--engine-arg={a}" for a in VLLM_FLAGS),
+                            "--progress", "off", stderr=fd, stdout=fd)
+        os.close(fd)
+        wait_until(lambda: (run_dir / "daemon.ready").exists() or proc.poll() is not None, READY_TIMEOUT,
+                   "the daemon to pack vLLM's layout")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        yield run_dir / "daemon.sock"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()[-3000:]
+    finally:
+        procs.stop_all()
+        for f in run_dir.iterdir():
+            f.unlink()
+        run_dir.rmdir()
+
+
 class VllmServer:
     """``python -m vllm.entrypoints.openai.api_server`` in its own session; ``stop()`` ends the whole
     process group and removes the /dev/shm files it mapped (a killed tree leaves them)."""
 
-    def __init__(self, model: Path, port: int, log: Path, name: str = "tiny", extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, model: Path, port: int, log: Path, name: str = "tiny", extra: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.port, self.log = port, log
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name,
                 "--kv-cache-memory-bytes", str(256 << 20), *VLLM_FLAGS, *extra]
         self._out = open(log, "wb")
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env=None if env is None else os.environ | env)
         self.shm: set[str] = set()
 
     @property

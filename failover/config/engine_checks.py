@@ -19,8 +19,13 @@ def check_engine(key: str, svc) -> list[str]:
         if svc.weights != "cache":
             problems.append(f"{key}.weights: the bundled engine always maps the cache daemon's weights; "
                             "weights = \"disk\" is only for engine = \"vllm\"")
+        if svc.cpu_gemm != "shared":
+            problems.append(f"{key}.cpu_gemm: only for engine = \"vllm\" with weights = \"cache\"; remove it")
         return problems
     problems = []
+    if svc.cpu_gemm != "shared" and svc.weights != "cache":
+        problems.append(f"{key}.cpu_gemm: {svc.cpu_gemm!r} chooses how vLLM runs on the cache daemon's weights; "
+                        "with weights = \"disk\" vLLM packs its own copy anyway: remove it")
     if svc.command is not None:
         problems.append(f"{key}.command: engine = {svc.engine!r} builds its own command line; remove command "
                         "(extra flags go in engine_args)")
@@ -32,7 +37,6 @@ def check_engine(key: str, svc) -> list[str]:
             problems.append(f"{key}.engine_args: {arg!r} is set by the supervisor (from model.path, the "
                             "service's name, port, kv_memory and weights); remove it")
     return problems
-
 
 
 def check_template(key: str, command: list[str]) -> list[str]:

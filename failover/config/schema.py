@@ -147,6 +147,7 @@ class ServiceConfig(_Base):
     # vllm: "cache" maps the weights from the node's cache daemon (`--load-format failover`, the daemon
     # packs vLLM's own loading); "disk": vLLM reads the checkpoint itself (docs/vllm.md, "Weights")
     weights: Literal["cache", "disk"] = "cache"
+    cpu_gemm: Literal["shared", "prepack"] = "shared"  # vllm + cache on CPU: F.linear on the arena, or oneDNN's copy
     command: list[str] | None = None  # external engine: argv template with {port}, {model}, ...
     ready_path: str = "/ready"  # for external engines (vllm: /health, always)
     batch: BatchConfig | None = None

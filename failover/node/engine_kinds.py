@@ -70,7 +70,8 @@ def vllm_argv(config: Config, svc: ServiceConfig, port: int, kv_bytes: int, repo
     cap = ["--max-model-len", str(svc.max_model_len)] if svc.max_model_len else []
     weights = []
     if svc.weights == "cache":  # failover_vllm.model_loader; no daemon is an error, never a silent disk load
-        extra = {"socket": str(config.daemon_socket)} | ({"report": str(report)} if report else {})
+        extra = {"socket": str(config.daemon_socket), "cpu_gemm": svc.cpu_gemm}
+        extra |= {"report": str(report)} if report else {}
         weights = ["--load-format", "failover", "--model-loader-extra-config", json.dumps(extra)]
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", m.path,
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", svc.name,
