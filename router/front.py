@@ -138,8 +138,10 @@ class FastStream:
 
     async def write(self, data: bytes) -> None:
         if data:
-            self.conn.send(b"%x\r\n%b\r\n" % (len(data), data))
-            await self.conn.drain()
+            conn = self.conn
+            conn.send(b"%x\r\n%b\r\n" % (len(data), data))
+            if conn._paused_writing:  # only then is there anything to wait for (send raised if closed)
+                await conn.drain()
 
     async def write_eof(self) -> None:
         if not self.eof:
