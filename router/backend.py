@@ -1,9 +1,10 @@
 """Backends: one engine instance, and the service (one primary, its standbys, its wait queue).
 
-Ownership: an Instance owns its upstream pool (router/upstream.py) and knows the
-attempts in flight to it. Fencing aborts them: each attempt runs under an ``asyncio.timeout`` guard,
-and firing it raises TimeoutError inside exactly that request, even one blocked on a hung engine
-(closing the pool alone does not wake a reader whose peer went silent).
+Ownership: an Instance owns its upstream pool (router/upstream.py) and knows the attempts in
+flight to it. Fencing aborts them: each attempt runs under a ``Guard`` (asyncio.timeout's
+cancel-then-TimeoutError, by hand), and firing it raises TimeoutError inside exactly that request,
+even one blocked on a hung engine (closing the pool alone does not wake a reader whose peer went
+silent).
 """
 
 from __future__ import annotations
@@ -17,6 +18,46 @@ from router.errors import NoPrimary, Saturated
 from router.upstream import Pool
 
 
+class Guard:
+    """``asyncio.timeout(None)`` fired by hand, entered and left without a coroutine (issue 20: the
+    two per attempt were a visible part of a request's cost). ``fire()`` cancels the task inside it;
+    leaving, that cancellation becomes TimeoutError (as asyncio.timeout's expiry), unless the task
+    was also cancelled from elsewhere (the client gone), which stays a CancelledError."""
+
+    __slots__ = ("task", "cancelling", "fired", "entered")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task | None = None
+        self.cancelling = 0
+        self.fired = self.entered = False
+
+    def __enter__(self) -> "Guard":
+        self.task = task = asyncio.current_task()
+        self.cancelling = task.cancelling()
+        self.entered = True
+        return self
+
+    def __exit__(self, et, exc, tb) -> None:
+        self.entered = False
+        if self.fired and self.task.uncancel() <= self.cancelling and et is asyncio.CancelledError:
+            raise TimeoutError() from exc
+
+    async def __aenter__(self) -> "Guard":  # as asyncio.timeout is used; the proxy uses ``with``
+        return self.__enter__()
+
+    async def __aexit__(self, et, exc, tb) -> None:
+        self.__exit__(et, exc, tb)
+
+    def fire(self) -> None:
+        """Abort the task inside the guard (no-op before it is entered or after it is left)."""
+        if self.entered and not self.fired:
+            self.fired = True
+            self.task.cancel()
+
+    def expired(self) -> bool:
+        return self.fired
+
+
 class Attempt:
     """One upstream request in flight. Its guard fires only while armed: around a write to the
     client it is not, so an abort never lands between "bytes handed to the client" and "those
@@ -25,7 +66,7 @@ class Attempt:
     __slots__ = ("guard", "armed", "aborted", "stalled", "last", "_watch")
 
     def __init__(self) -> None:
-        self.guard = asyncio.timeout(None)
+        self.guard = Guard()
         self.armed = True
         self.aborted = False
         self.stalled = False  # the stall watchdog fired (the abort is a stall, not a fence)
@@ -55,7 +96,7 @@ class Attempt:
     def abort(self) -> None:
         self.aborted = True
         if self.armed:
-            self.guard.reschedule(asyncio.get_running_loop().time())
+            self.guard.fire()
 
     def disarm(self) -> None:
         self.armed = False
@@ -80,6 +121,13 @@ class Gate:
     @property
     def waiting(self) -> int:
         return len(self._waiters)
+
+    def try_enter(self) -> bool:
+        """Take a slot if one is free and nobody waits (no await: the common case)."""
+        if self.active < self.limit and not self._waiters:
+            self.active += 1
+            return True
+        return False
 
     async def enter(self, name: str, deadline: float) -> None:
         """Take a slot, waiting until ``deadline`` (monotonic); Saturated when the queue is full or

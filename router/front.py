@@ -24,11 +24,14 @@ from __future__ import annotations
 import asyncio
 import time
 from email.utils import formatdate
+from http import HTTPStatus
 
 import httptools
 import structlog
 from aiohttp import web
 from multidict import CIMultiDict
+
+from router.proxy import ANSWERED, FORWARD_TAIL, REQUEST_DROP_B
 
 log = structlog.get_logger(__name__)
 
@@ -38,6 +41,7 @@ MAX_HEAD = 16 * 1024  # no end of headers within this: aiohttp's path (its 431/4
 KEEPALIVE = 75.0  # an idle connection is closed after this (aiohttp's default)
 _REFUSED = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
 _date = ["", 0]
+_REASONS = {s.value: s.phrase for s in HTTPStatus}
 
 
 def _http_date() -> str:
@@ -54,11 +58,12 @@ class Handover(Exception):
 class _Head:
     """httptools callbacks for one request head."""
 
-    __slots__ = ("url", "headers", "length", "done")
+    __slots__ = ("url", "headers", "forward", "length", "done")
 
     def __init__(self) -> None:
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
+        self.forward: list[bytes] = []  # the end-to-end header lines, as they go upstream
         self.length: int | None = None
         self.done = False
 
@@ -74,22 +79,44 @@ class _Head:
                 raise Handover()
             self.length = int(value)
         self.headers.append((name, value))
+        if lname not in REQUEST_DROP_B:
+            self.forward.append(b"%b: %b\r\n" % (name, value))
 
     def on_headers_complete(self) -> None:
         self.done = True
 
 
 class FastRequest:
-    """What the proxy reads of a request (as aiohttp's web.Request offers it)."""
+    """What the proxy reads of a request (as aiohttp's web.Request offers it), plus ``forward``
+    (the header lines that go upstream, as bytes) and ``answer`` (the response, written now)."""
 
-    __slots__ = ("method", "path", "headers", "conn")
+    __slots__ = ("method", "path", "raw_headers", "forward", "conn")
 
-    def __init__(self, method: str, path: str, headers: CIMultiDict, conn: "Front") -> None:
-        self.method, self.path, self.headers, self.conn = method, path, headers, conn
+    def __init__(self, method: str, path: str, raw_headers: list[tuple[bytes, bytes]], forward: bytes,
+                 conn: "Front") -> None:
+        self.method, self.path, self.raw_headers, self.forward, self.conn = method, path, raw_headers, forward, conn
+
+    @property
+    def headers(self) -> CIMultiDict:
+        return CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw_headers)
 
     @property
     def raw_path(self) -> str:
         return self.path
+
+    def answer(self, status: int, headers: list[tuple[bytes, bytes]], instance: str, body: bytes) -> None:
+        """Write a whole response now (the proxy's bookkeeping comes after it); ``headers`` are the
+        engine's end-to-end ones. A client already gone is not an error here: its task ends."""
+        conn = self.conn
+        conn.started = True
+        if conn.closed or conn.transport.is_closing():
+            conn.keep_alive = False
+            return
+        lines = b"".join(b"%b: %b\r\n" % kv for kv in headers)
+        close = b"" if conn.keep_alive else b"Connection: close\r\n"
+        conn.transport.write(b"HTTP/1.1 %d %b\r\n%bX-Failover-Instance: %b\r\nContent-Length: %d\r\nDate: %b\r\n%b\r\n%b"
+                             % (status, _REASONS.get(status, "Unknown").encode(), lines, instance.encode("latin-1"),
+                                len(body), _http_date().encode(), close, body))
 
     def open_stream(self, headers: dict) -> "FastStream":
         """Start a chunked 200 (router/stream.py's SSE answer)."""
@@ -111,8 +138,10 @@ class FastStream:
 
     async def write(self, data: bytes) -> None:
         if data:
-            self.conn.send(b"%x\r\n%b\r\n" % (len(data), data))
-            await self.conn.drain()
+            conn = self.conn
+            conn.send(b"%x\r\n%b\r\n" % (len(data), data))
+            if conn._paused_writing:  # only then is there anything to wait for (send raised if closed)
+                await conn.drain()
 
     async def write_eof(self) -> None:
         if not self.eof:
@@ -256,8 +285,7 @@ class Front(asyncio.Protocol):
         body = bytes(buf[end + 4:total])
         del buf[:total]
         self.keep_alive = parser.should_keep_alive()
-        headers = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in head.headers)
-        req = FastRequest(method.decode(), path, headers, self)
+        req = FastRequest(method.decode(), path, head.headers, b"".join(head.forward) + FORWARD_TAIL, self)
         budget.take(n)
         self.started = False
         self.task = asyncio.get_running_loop().create_task(self._serve(req, body, n))
@@ -267,7 +295,9 @@ class Front(asyncio.Protocol):
         site.inflight += 1
         try:
             resp = await site.proxy.serve(req, req.path, body, time.monotonic())
-            if not isinstance(resp, FastStream):
+            if resp is ANSWERED:
+                pass
+            elif not isinstance(resp, FastStream):
                 self._respond(resp)
             elif not resp.eof:  # a stream that did not end (ClientGone): the connection is unusable
                 self.keep_alive = False

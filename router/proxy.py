@@ -39,6 +39,16 @@ RESPONSE_DROP = HOP_BY_HOP | {"server", "date", "content-encoding"}
 # The engine says "not now" (starting, draining, overloaded): try the next primary.
 RETRY_STATUS = frozenset({502, 503, 504})
 DRAIN_TIMEOUT = 0.5  # after [DONE]: how long the end of the upstream response may take to arrive
+REQUEST_DROP_B = frozenset(k.encode() for k in REQUEST_DROP)
+RESPONSE_DROP_B = frozenset(k.encode() for k in RESPONSE_DROP)
+
+
+class Answered(web.StreamResponse):
+    """What ``serve`` returns when router/front.py's listener already has the answer's bytes
+    (written before the bookkeeping that follows them): nothing more to send."""
+
+
+ANSWERED = Answered()
 
 
 def error_body(message: str, type_: str, code: int) -> dict:
@@ -123,19 +133,23 @@ class Proxy:
 
     async def _attempts(self, request: web.Request, target: str, service: Service, body: bytes | bytearray,
                         relay: StreamRelay | None, t0: float, recovery: Recovery) -> web.StreamResponse:
-        headers = _forward_headers(request.headers)
+        headers = getattr(request, "forward", None)  # router/front.py has them as bytes already
+        if headers is None:
+            headers = _forward_headers(request.headers)
         if relay is not None:  # what the engine kind needs added to stream (ours: nothing, same bytes)
             body = relay.first_body(body)
         retries = migrations = 0
         while True:
-            deadline = time.monotonic() + self.config.queue_deadline
-            try:
-                inst = await service.acquire(deadline)
-                await inst.gate.enter(inst.name, deadline)
-            except NoPrimary as exc:
-                return await self._no_primary(service, relay, exc)
-            except Saturated as exc:
-                return await self._saturated(service, relay, exc)
+            inst = service.routable()  # the common case, without an await
+            if inst is None or not inst.gate.try_enter():
+                deadline = time.monotonic() + self.config.queue_deadline
+                try:
+                    inst = await service.acquire(deadline)
+                    await inst.gate.enter(inst.name, deadline)
+                except NoPrimary as exc:
+                    return await self._no_primary(service, relay, exc)
+                except Saturated as exc:
+                    return await self._saturated(service, relay, exc)
             generation = inst.generation
             if inst.fenced or service.routable() is not inst:  # switched away while we queued: not a retry
                 inst.gate.leave()
@@ -173,23 +187,24 @@ class Proxy:
                 self.metrics.retries.labels(service.name).inc()
 
     async def _attempt(self, request: web.Request, target: str, service: Service, inst: Instance,
-                       body: bytes | bytearray, headers: str, relay: StreamRelay | None,
+                       body: bytes | bytearray, headers: bytes, relay: StreamRelay | None,
                        t0: float, recovery: Recovery) -> web.StreamResponse:
         session = inst.session(self.config.connect_timeout)
         attempt = Attempt()  # Instance.abort_inflight fires its guard when inst is fenced
         inst.attempts.add(attempt)
         try:
-            async with attempt.guard, session.request(request.method, target, headers, body) as up:
-                if up.status in RETRY_STATUS:
-                    raise BackendFailed(inst.name, "unavailable", f"answered {up.status}")
-                if relay is not None and up.status == 200 and up.content_type == "text/event-stream":
-                    return await self._relay(service, inst, up, relay, attempt, t0, recovery)
-                data = await up.read()
-                if relay is not None and relay.started:
-                    raise BackendFailed(inst.name, "rejected",
-                                        f"resumed stream answered {up.status}: {data[:200]!r}")
-                if up.status == 200 and request.path in MIGRATABLE_PATHS and not _is_json_object(data):
-                    raise BackendFailed(inst.name, "garbage", f"200 with a non-JSON body: {data[:80]!r}")
+            with attempt.guard:
+                async with session.request(request.method, target, headers, body) as up:
+                    if up.status in RETRY_STATUS:
+                        raise BackendFailed(inst.name, "unavailable", f"answered {up.status}")
+                    if relay is not None and up.status == 200 and up.content_type == "text/event-stream":
+                        return await self._relay(service, inst, up, relay, attempt, t0, recovery)
+                    data = await up.read()
+                    if relay is not None and relay.started:
+                        raise BackendFailed(inst.name, "rejected",
+                                            f"resumed stream answered {up.status}: {data[:200]!r}")
+                    if up.status == 200 and request.path in MIGRATABLE_PATHS and not _is_json_object(data):
+                        raise BackendFailed(inst.name, "garbage", f"200 with a non-JSON body: {data[:80]!r}")
         except (BackendFailed, ClientGone):
             raise
         except TimeoutError as exc:  # before OSError, of which it is a subclass
@@ -214,6 +229,13 @@ class Proxy:
             raise BackendFailed(inst.name, "fenced", str(exc)) from exc
         finally:
             inst.attempts.discard(attempt)
+        answer = getattr(request, "answer", None)  # router/front.py: the client's bytes first
+        if answer is not None:
+            answer(up.status, [(k, v) for k, v in up.raw_headers if k.lower() not in RESPONSE_DROP_B], inst.name, data)
+            if up.status < 400:
+                self.promoter.note_ok(inst)
+            self._count(service, up.status, time.monotonic(), t0)
+            return ANSWERED
         if up.status < 400:
             self.promoter.note_ok(inst)
         out = CIMultiDict((k, v) for k, v in up.headers if k.lower() not in RESPONSE_DROP)
@@ -312,9 +334,12 @@ def _is_json_object(data: bytes) -> bool:
         return False
 
 
-def _forward_headers(headers) -> str:
+FORWARD_TAIL = b"Accept-Encoding: identity\r\n"  # we parse streams; the client link may compress later
+
+
+def _forward_headers(headers) -> bytes:
     """The client's end-to-end headers as request header lines for router/upstream.py (each
-    ending in CRLF; values as aiohttp's parser accepted them, so with no CR or LF in them)."""
+    ending in CRLF; values as aiohttp's parser accepted them, so with no CR or LF in them).
+    router/front.py builds the same lines from the raw head (``FastRequest.forward``)."""
     lines = [f"{k}: {v}\r\n" for k, v in headers.items() if k.lower() not in REQUEST_DROP]
-    lines.append("Accept-Encoding: identity\r\n")  # we parse streams; the client link may compress later
-    return "".join(lines)
+    return "".join(lines).encode("latin-1") + FORWARD_TAIL

@@ -57,14 +57,13 @@ class PoolClosed(RuntimeError):
 class Response:
     """One response; also its own ``content`` (``readany``/``at_eof``, as aiohttp's StreamReader)."""
 
-    __slots__ = ("status", "headers", "content_type", "_chunks", "_size", "complete", "error",
-                 "_waiter", "_conn", "headers_done", "_raw_headers", "keep_alive", "delimited")
+    __slots__ = ("status", "content_type", "_chunks", "_size", "complete", "error",
+                 "_waiter", "_conn", "headers_done", "raw_headers", "keep_alive", "delimited")
 
     def __init__(self, conn: "_Conn") -> None:
         self._conn = conn
         self.status = 0
-        self.headers: list[tuple[str, str]] = []
-        self._raw_headers: list[tuple[bytes, bytes]] = []
+        self.raw_headers: list[tuple[bytes, bytes]] = []  # as received (names as the engine spelt them)
         self.content_type = ""
         self._chunks: collections.deque[bytes] = collections.deque()
         self._size = 0
@@ -73,6 +72,11 @@ class Response:
         self.delimited = False  # Content-Length or chunked: the end is known without a close
         self.error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
+
+    @property
+    def headers(self) -> list[tuple[str, str]]:
+        """The headers, decoded (latin-1)."""
+        return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw_headers]
 
     @property
     def content(self) -> "Response":
@@ -164,7 +168,13 @@ class _Conn(asyncio.Protocol):
 
     # -- httptools callbacks ------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.resp._raw_headers.append((name, value))
+        resp = self.resp
+        resp.raw_headers.append((name, value))
+        lk = name.lower()
+        if lk == b"content-type":
+            resp.content_type = value.split(b";", 1)[0].strip().lower().decode("latin-1")
+        elif lk == b"content-length" or (lk == b"transfer-encoding" and b"chunked" in value.lower()):
+            resp.delimited = True
 
     def on_headers_complete(self) -> None:
         resp = self.resp
@@ -173,16 +183,9 @@ class _Conn(asyncio.Protocol):
             return
         resp.status = status = self.parser.get_status_code()
         if 100 <= status < 200:  # an interim answer (we never ask for one): the real one follows
-            resp._raw_headers = []
+            resp.raw_headers, resp.content_type, resp.delimited = [], "", False
             return
         resp.keep_alive = self.parser.should_keep_alive()
-        headers = resp.headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in resp._raw_headers]
-        for k, v in headers:
-            lk = k.lower()
-            if lk == "content-type":
-                resp.content_type = v.split(";", 1)[0].strip().lower()
-            elif lk == "content-length" or (lk == "transfer-encoding" and "chunked" in v.lower()):
-                resp.delimited = True
         resp.headers_done = True
         if self.head or status in (204, 304):
             resp.delimited = True
@@ -300,17 +303,14 @@ class Pool:
         self._connecting = 0
         self._slot_waiters: collections.deque[asyncio.Future] = collections.deque()
 
-    def request(self, method: str, target: str, head: str, body: bytes | bytearray | None) -> _Request:
-        """``head``: the request's header lines, each ending in CRLF (no Host, no Content-Length)."""
+    def request(self, method: str, target: str, head: bytes, body: bytes | bytearray | None) -> _Request:
+        """``head``: the request's header lines, latin-1, each ending in CRLF (no Host, no
+        Content-Length). The request is one bytes object, written at once."""
         n = len(body) if body else 0
+        start = f"{method} {target} HTTP/1.1\r\nHost: {self.host_header}\r\n".encode("latin-1")
         if n or method not in ("GET", "HEAD"):
-            head = f"{method} {target} HTTP/1.1\r\nHost: {self.host_header}\r\n{head}Content-Length: {n}\r\n\r\n"
-        else:
-            head = f"{method} {target} HTTP/1.1\r\nHost: {self.host_header}\r\n{head}\r\n"
-        data = head.encode("latin-1")
-        if n:
-            data += body
-        return _Request(self, method, data)
+            return _Request(self, method, b"%b%bContent-Length: %d\r\n\r\n%b" % (start, head, n, body or b""))
+        return _Request(self, method, b"%b%b\r\n" % (start, head))
 
     async def _take(self) -> tuple[_Conn, bool]:
         if self.closed:

@@ -5,6 +5,7 @@ and that upstream connections are reused rather than opened per request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -96,5 +97,56 @@ async def test_upstream_connections_are_pooled_and_a_pipelined_pair_is_answered_
             status, headers, _ = await read_response(reader)
             assert status == 200 and headers["connection"] == "close"
             assert await asyncio.wait_for(reader.read(), 5) == b""  # and closed
+        finally:
+            writer.close()
+
+
+def echo_app():
+    """Answers a completion with the request headers it got, as JSON, and headers of its own;
+    ``"max_tokens": 0`` gets a 400 (an engine's error must come back as it is)."""
+    from aiohttp import web
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in request.raw_headers]
+        status = 400 if body.get("max_tokens") == 0 else 200
+        return web.Response(status=status, body=json.dumps({"headers": seen}).encode(),
+                            content_type="application/json", headers={"X-Engine": "echo"})
+
+    async def ready(_request):
+        return web.json_response({"ready": True})
+
+    app = web.Application()
+    app.add_routes([web.get("/ready", ready), web.post("/v1/completions", completions)])
+    return app
+
+
+async def test_a_whole_answer_is_the_engines_bytes_and_the_clients_end_to_end_headers_reach_it():
+    from router_helpers import counter, serve_app
+    from conftest import free_port
+
+    async with contextlib.AsyncExitStack() as stack:
+        url = await stack.enter_async_context(serve_app(echo_app(), free_port()))
+        router = await stack.enter_async_context(running_router(tolerant(), primary=url))
+        await wait_for(lambda: router.services["tiny"].routable() is not None)
+        reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+        try:
+            for max_tokens, code in ((2, 200), (0, 400)):
+                writer.write(post("/v1/completions", completion(max_tokens),
+                                  "X-Trace: t-1\r\nAuthorization: Bearer k\r\nTE: trailers\r\nAccept-Encoding: gzip\r\n"))
+                status, headers, body = await read_response(reader)
+                assert status == code, body
+                seen = {k.lower(): v for k, v in json.loads(body)["headers"]}
+                # the engine's own bytes, unchanged (the echo's JSON is what it sent)
+                assert json.loads(body)["headers"] and body.startswith(b'{"headers": ')
+                assert seen["x-trace"] == "t-1" and seen["authorization"] == "Bearer k"
+                assert "te" not in seen and seen["accept-encoding"] == "identity"
+                assert seen["host"] == url.split("//", 1)[1]
+                assert seen["content-length"] == str(len(completion(max_tokens)))
+                assert headers["x-engine"] == "echo" and headers["content-type"].startswith("application/json")
+                assert headers["x-failover-instance"] == "primary-0" and "server" not in headers
+                assert headers["date"]  # the router's own, the engine's is dropped
+            assert counter(router, "failover_router_requests_total", code="200") == 1
+            assert counter(router, "failover_router_requests_total", code="400") == 1
         finally:
             writer.close()
