@@ -4,16 +4,16 @@ One daemon packs vLLM's own loading of the tiny checkpoint (``--engine vllm``); 
 then map it: their greedy tokens (and, with ``cpu_gemm = prepack``, their logprobs bit for bit) equal
 vLLM's own disk load; two instances share the arena's pages (Pss about half the Rss, nothing private);
 a server built with other settings is refused with the differing fields; a server without a daemon
-refuses to start (the documented fallback) unless told ``fallback = disk``. Then ``failover up``
-with a vLLM primary and standby: both report weights from the daemon and share them, and a killed
-primary's replacement maps them again.
+refuses to start (the documented fallback) unless told ``fallback = disk``; ``failover up`` with
+``weights = "disk"`` runs vLLM without a daemon. That ``failover up``'s vLLM primary and standby
+report weights from the daemon and share them, and that a killed primary's replacement maps them
+again, is checked in test_vllm_node.py, on the node that test starts anyway.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 from pathlib import Path
 
 import openai
@@ -22,7 +22,7 @@ import pytest
 from failover_common.ports import free_port
 from failover.procs.smaps import tree_memory
 from failover.procs.tree import group_members
-from supervisor_helpers import Node, wait_until, write_config
+from supervisor_helpers import Node, write_config
 from vllm_helpers import READY_TIMEOUT, VLLM_FLAGS, VllmServer, needs_vllm, packing_daemon, vllm_checkpoint
 
 pytestmark = [needs_vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -130,33 +130,6 @@ def test_without_a_daemon_vllm_refuses_unless_told_to_load_from_disk(daemon, ser
     fallback.wait_ready()
     assert "failover_weights_fallback_disk" in fallback.log.read_text()
     assert json.loads((tmp_path / "f.json").read_text())["source"] == "disk"
-
-
-def test_failover_up_runs_vllm_on_the_daemons_weights_and_relaunches_on_them(procs, run_dir):
-    model = vllm_checkpoint(Path(run_dir) / "model")
-    node = Node.__new__(Node)
-    config = write_config(Path(run_dir) / "node.toml", model=model, run_dir=Path(run_dir) / "node",
-                          service_extra={"engine": "vllm", "engine_args": VLLM_FLAGS, "kv_memory": "256MiB"},
-                          supervisor={"ready_timeout": READY_TIMEOUT, "stop_timeout": 10.0})
-    node._launch(procs, Path(run_dir), config, ready_timeout=READY_TIMEOUT)
-    try:
-        primary, standby = wait_until(node.serving_pair, 60, "a ready vLLM primary and standby")
-        for inst in (primary, standby):
-            assert node.slot(inst["name"])["weights_source"] == "cache"
-        assert node.status()["supervisor"]["daemon"]["pid"]
-        mem = {i["name"]: tree_memory(group_members(i["pid"]))["arena"] for i in (primary, standby)}
-        for arena in mem.values():
-            assert arena["Rss"] > 0 and arena["Private_Clean"] + arena["Private_Dirty"] == 0, mem
-            assert arena["Pss"] * 2 <= arena["Rss"] + 8192, mem  # the two instances share every page
-        node.seen_pids |= {p for i in (primary, standby) for p in group_members(i["pid"])}
-        os.kill(primary["pid"], signal.SIGKILL)
-        back = wait_until(lambda: (p := node.serving_pair()) and p[1]["name"] == primary["name"]
-                          and p[1]["pid"] != primary["pid"] and p, READY_TIMEOUT, "the relaunched vLLM standby")
-        assert node.slot(back[1]["name"])["weights_source"] == "cache"
-        node.seen_pids |= set(group_members(back[1]["pid"]))
-    finally:
-        node.stop()
-    assert not list(Path(run_dir).glob("node/*.weights.json"))
 
 
 def test_weights_disk_runs_vllm_without_a_daemon(procs, run_dir):
