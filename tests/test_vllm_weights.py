@@ -108,28 +108,35 @@ def test_vllm_maps_the_daemons_weights_shares_them_and_answers_as_its_own_disk_l
     assert mem[disk]["arena"]["Rss"] == 0  # vLLM's own load maps nothing of ours
 
 
-def test_a_vllm_built_with_other_settings_is_refused_with_the_differing_fields(daemon, servers):
+def test_a_vllm_built_with_other_settings_or_without_a_daemon_is_refused_unless_told_to_load_from_disk(
+        daemon, servers, tmp_path):
+    """Three servers started together (each vLLM start is mostly one core's work): one built with
+    another dtype than the daemon's, one without a daemon, one without a daemon told to fall back."""
     model, sock, base = daemon
-    other = _server(servers, model, base, "other", *_extra(sock), "--dtype", "bfloat16")
-    with pytest.raises(RuntimeError, match=r"exited"):
-        other.wait_ready()
-    message = other.log.read_text()
-    assert "differing fields" in message and "dtype: 'bfloat16' != 'float32'" in message, message[-3000:]
-
-
-def test_without_a_daemon_vllm_refuses_unless_told_to_load_from_disk(daemon, servers, tmp_path):
-    model, _sock, base = daemon
     missing = Path(os.path.realpath("/tmp")) / f"fo-none-{os.getpid()}.sock"
+    other = _server(servers, model, base, "other", *_extra(sock), "--dtype", "bfloat16")
     refused = _server(servers, model, base, "refused", *_extra(missing))
     fallback = _server(servers, model, base, "fallback", *_extra(missing, fallback="disk",
                                                                   report=str(tmp_path / "f.json")))
+
+    # 1. other settings than the daemon's: refused, the differing fields listed
+    with pytest.raises(RuntimeError, match=r"exited"):
+        other.wait_ready()
+    message = other.log.read_text()
+    assert "differing fields" in message and "dtype: 'bfloat16' != 'float32'" in message, \
+        f"a vLLM with another dtype is not refused naming the field: {message[-3000:]}"
+
+    # 2. no daemon: refused, saying how to load from disk instead
     with pytest.raises(RuntimeError, match="exited"):
         refused.wait_ready()
     message = refused.log.read_text()
-    assert "no cache daemon at" in message and 'weights = "disk"' in message, message[-3000:]
+    assert "no cache daemon at" in message and 'weights = "disk"' in message, \
+        f"a vLLM without a daemon is not refused as documented: {message[-3000:]}"
+
+    # 3. no daemon, fallback = disk: it loads from disk, loudly
     fallback.wait_ready()
-    assert "failover_weights_fallback_disk" in fallback.log.read_text()
-    assert json.loads((tmp_path / "f.json").read_text())["source"] == "disk"
+    assert "failover_weights_fallback_disk" in fallback.log.read_text(), "the fallback to disk is not logged"
+    assert json.loads((tmp_path / "f.json").read_text())["source"] == "disk", "the fallback does not report disk"
 
 
 def test_weights_disk_runs_vllm_without_a_daemon(procs, run_dir):
