@@ -22,7 +22,7 @@ from cache_daemon import client
 from failover.procs.smaps import ARENA_TAG
 from failover.procs.tree import group_members, mapped_shm
 from failover_common.ports import free_port
-from supervisor_helpers import Node, write_config
+from supervisor_helpers import Node, wait_until, write_config
 from vllm_helpers import READY_TIMEOUT, VLLM_FLAGS, VllmServer, needs_vllm, vllm_checkpoint
 
 pytestmark = [needs_vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -72,22 +72,44 @@ def test_a_tp2_vllm_under_failover_up_maps_each_ranks_arena_answers_as_its_own_t
                                          "standbys": 0},
                           supervisor={"ready_timeout": READY_TIMEOUT, "stop_timeout": 10.0})
     shm_before = set(os.listdir("/dev/shm"))
-    disk = VllmServer(model, free_port(), run_dir / "disk.log", extra=TP, env=NOBIND)  # vLLM's own tp-2 load
     node = Node.__new__(Node)
+    node._launch(procs, run_dir, config, ready_timeout=None)
+    disk = None
     try:
-        node._launch(procs, run_dir, config, ready_timeout=READY_TIMEOUT)
+        _check_packers(node, shm_before)
+        # vLLM's own tp-2 disk load, started beside the node's instance
+        disk = VllmServer(model, free_port(), run_dir / "disk.log", extra=TP, env=NOBIND)
+        node.wait_ready(READY_TIMEOUT)
         try:
-            shm = _check(node, disk, shm_before)
+            shm = _check(node, disk)
         finally:
             node.stop()  # SIGINT: exit 0, no process and no run dir left (asserted)
     finally:
-        disk.stop()
+        if disk is not None:
+            disk.stop()
     assert not [f for f in shm if os.path.exists(f)], "the tp-2 tree's /dev/shm files are left"
     new = set(os.listdir("/dev/shm")) - shm_before
     assert not new, f"/dev/shm files left behind: {new}"
 
 
-def _check(node: Node, disk: VllmServer, shm_before: set[str]) -> set[str]:
+def _check_packers(node: Node, shm_before: set[str]) -> None:
+    """Once the daemon has packed (daemon.ready), no /dev/shm file made up to then is left: the
+    packers' tp group left nothing (files made later are the vLLM instances', checked at the end)."""
+    ready = node.config.daemon_ready_file
+    wait_until(lambda: ready.exists() or node.proc.poll() is not None, READY_TIMEOUT, "the daemon's tp-2 pack")
+    assert node.proc.poll() is None, node.log()[-3000:]
+    packed_at = ready.stat().st_mtime_ns
+    left = []
+    for name in set(os.listdir("/dev/shm")) - shm_before:
+        try:
+            if os.stat(os.path.join("/dev/shm", name)).st_mtime_ns <= packed_at:
+                left.append(name)
+        except FileNotFoundError:
+            pass
+    assert not left, f"the packers' tp group left /dev/shm files: {left}"
+
+
+def _check(node: Node, disk: VllmServer) -> set[str]:
     """The checks of the scenario, once both are up; returns the /dev/shm files of the node's tp-2 tree."""
     disk.wait_ready()
     slot = node.status()["supervisor"]["slots"][0]
@@ -98,9 +120,6 @@ def _check(node: Node, disk: VllmServer, shm_before: set[str]) -> set[str]:
     members = group_members(slot["pid"])
     shm = set().union(*(mapped_shm(p) for p in members))
     node.seen_pids |= set(members)
-    # the packers' tp group left nothing: every /dev/shm file new since the start is a live vLLM tree's
-    new = {os.path.join("/dev/shm", f) for f in set(os.listdir("/dev/shm")) - shm_before}
-    assert not new - shm - disk.shm, f"/dev/shm files of no running vLLM (the packers'?): {new - shm - disk.shm}"
 
     # each rank's worker maps its own rank's arena (the daemon's key for that rank), not the other's
     keys = {m.tp_rank: m.key for m in held}
