@@ -172,8 +172,9 @@ class Node:
                                    **config_overrides)
         self._launch(procs, Path(run_dir), config_path, ready_timeout=90)
 
-    def _launch(self, procs, run_dir: Path, config_path: Path, ready_timeout: float) -> None:
-        """Start `failover up` on ``config_path`` and wait until its router is ready."""
+    def _launch(self, procs, run_dir: Path, config_path: Path, ready_timeout: float | None) -> None:
+        """Start `failover up` on ``config_path`` and wait until its router is ready (``None``: do not
+        wait; ``wait_ready`` then)."""
         self.run_dir = run_dir / "node"
         self.config_path = config_path
         self.log_path = run_dir / "up.log"
@@ -186,7 +187,11 @@ class Node:
         self.config = load_config(self.config_path)
         self.url = self.config.router_url
         self.seen_pids: set[int] = set()
-        wait_until(self._ready, ready_timeout, "the node to serve")
+        if ready_timeout is not None:
+            self.wait_ready(ready_timeout)
+
+    def wait_ready(self, timeout: float) -> None:
+        wait_until(self._ready, timeout, "the node to serve")
         self.token = self.config.token_path.read_text().strip()
 
     def _ready(self) -> bool:

@@ -1,10 +1,12 @@
 """`failover up` with a vLLM primary and standby (``engine = "vllm"``), as real processes.
 
 One node for the whole scenario (each vLLM start costs ~30-90 s on the shared 2-core machine):
-ready; ``kill -9`` of the primary's API server under openai-SDK streaming load (0 failed, every
-stream equal to the undisturbed greedy run, nothing of the killed process tree left: no process,
-no /dev/shm file); a planned promote and a drain under the same load (0 failed); SIGINT leaves no
-process, no /dev/shm file of any instance and no run dir behind.
+ready, both instances on the cache daemon's weights and sharing the arena's pages; ``kill -9`` of
+the primary's API server under openai-SDK streaming load (0 failed, every stream equal to the
+undisturbed greedy run, nothing of the killed process tree left: no process, no /dev/shm file) and
+its replacement on the daemon's weights again; a planned promote and a drain under the same load
+(0 failed); SIGINT leaves no process, no /dev/shm file of any instance, no weights report and no
+run dir behind.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from failover.procs.smaps import tree_memory
 from failover.procs.tree import group_members, mapped_shm
 from supervisor_helpers import Node, Workers, wait_until
 from vllm_helpers import READY_TIMEOUT, VLLM_FLAGS, needs_vllm, vllm_checkpoint
@@ -107,7 +110,13 @@ def vllm_node(procs, run_dir):
 def test_vllm_primary_and_standby_fail_over_migrate_switch_and_leave_nothing(vllm_node):
     node = vllm_node
     primary, standby = wait_until(node.serving_pair, 60, "a ready vLLM primary and standby")
-    assert node.slot(primary["name"])["weights_source"] == "cache"  # weights = "cache" is the default
+    for inst in (primary, standby):  # weights = "cache" is the default
+        assert node.slot(inst["name"])["weights_source"] == "cache", f"{inst['name']} not on the daemon's weights"
+    assert node.status()["supervisor"]["daemon"]["pid"], "no cache daemon under a vLLM service on cached weights"
+    mem = {i["name"]: tree_memory(group_members(i["pid"]))["arena"] for i in (primary, standby)}
+    for arena in mem.values():
+        assert arena["Rss"] > 0 and arena["Private_Clean"] + arena["Private_Dirty"] == 0, mem
+        assert arena["Pss"] * 2 <= arena["Rss"] + 8192, mem  # the two instances share every page
     trees = {p["pid"]: _tree_shm(p["pid"]) for p in (primary, standby)}
     assert all(len(members) >= 3 for members, _ in trees.values()), trees  # API server, EngineCore, Worker
     killed_members, killed_shm = trees[primary["pid"]]
@@ -136,6 +145,7 @@ def test_vllm_primary_and_standby_fail_over_migrate_switch_and_leave_nothing(vll
     # (the relaunch is not waited for under load: on 2 shared cores it would only take longer)
     back = wait_until(lambda: (p := node.serving_pair()) and p[1]["name"] == primary["name"]
                       and p[1]["pid"] != primary["pid"] and p, READY_TIMEOUT, "the relaunched vLLM standby")
+    assert node.slot(back[1]["name"])["weights_source"] == "cache", "the relaunched standby is off the daemon's weights"
     node.seen_pids |= {m for members, _ in trees.values() for m in members}
 
     # 2. a planned promote, then a drain of the new primary, under load: nothing fails
@@ -163,6 +173,7 @@ def test_vllm_primary_and_standby_fail_over_migrate_switch_and_leave_nothing(vll
     # 3. SIGINT (the fixture's stop) must leave none of any tree's processes or files, including
     # multiprocessing semaphores no live process mapped (the resource tracker's to remove)
     node.stop()
+    assert not list(node.run_dir.glob("*.weights.json")), "weights reports left behind"
     left = [f for _, shm in trees.values() for f in shm if os.path.exists(f)]
     assert not left, f"/dev/shm files left behind: {left}"
     new = {f for f in os.listdir("/dev/shm") if f.startswith(("psm_", "sem.mp-"))} - node.shm_before

@@ -1,11 +1,12 @@
 """vLLM with tensor parallelism (tp 2, gloo on CPU) on the cache daemon's weights, as real processes.
 
-The daemon's vLLM loader child starts one packer per rank (failover_vllm.ranks), each a rank of a
-real tp group running vLLM's own sharded loading; the daemon then holds one arena per rank. A tp-2
-vLLM server with ``--load-format failover`` maps them, each ``VLLM::Worker_TP<r>`` its own rank's
-arena and no other, and answers as vLLM's own tp-2 disk load does. Then ``failover up`` with
-``model.tp = 2``: the instance reports weights from the daemon, and SIGINT leaves no process and no
-/dev/shm file (vLLM's CPU tp all-reduce segments included).
+Under ``failover up`` with ``model.tp = 2``, the daemon's vLLM loader child starts one packer per
+rank (failover_vllm.ranks), each a rank of a real tp group running vLLM's own sharded loading; the
+daemon then holds one arena per rank and the packers leave no /dev/shm file. The node's tp-2 vLLM
+instance (``--load-format failover``) maps them, each ``VLLM::Worker_TP<r>`` its own rank's arena and
+no other, reports weights from the daemon, and answers as vLLM's own tp-2 disk load (a plain vLLM
+server started beside the node) does; SIGINT leaves no process and no /dev/shm file (vLLM's CPU tp
+all-reduce segments included). A rank that fails fails the daemon's load, naming the rank.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from cache_daemon import client
 from failover.procs.smaps import ARENA_TAG
 from failover.procs.tree import group_members, mapped_shm
 from failover_common.ports import free_port
-from supervisor_helpers import Node, write_config
-from vllm_helpers import READY_TIMEOUT, VLLM_FLAGS, VllmServer, needs_vllm, packing_daemon, vllm_checkpoint
+from supervisor_helpers import Node, wait_until, write_config
+from vllm_helpers import READY_TIMEOUT, VLLM_FLAGS, VllmServer, needs_vllm, vllm_checkpoint
 
 pytestmark = [needs_vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 TP = ("--tensor-parallel-size", "2")
@@ -31,12 +32,12 @@ PROMPTS = ["once upon a time", "the quick brown fox", "1 2 3 4"]
 MAX_TOKENS = 12
 
 
-def _ask(url: str) -> dict[str, tuple[list[str], list[float]]]:
+def _ask(url: str, model: str) -> dict[str, tuple[list[str], list[float]]]:
     c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
     try:
         out = {}
         for p in PROMPTS:
-            r = c.completions.create(model="tiny", prompt=p, max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
+            r = c.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
             out[p] = (r.choices[0].logprobs.tokens, r.choices[0].logprobs.token_logprobs)
         return out
     finally:
@@ -60,47 +61,10 @@ def _arenas(pid: int) -> set[str]:
         return {line.split("memfd:", 1)[1].split()[0] for line in f if ARENA_TAG in line}
 
 
-def test_tp2_vllm_maps_each_ranks_arena_and_answers_as_its_own_tp2_disk_load(tmp_path):
-    model = vllm_checkpoint(tmp_path / "model")
-    shm_before = set(os.listdir("/dev/shm"))
-    servers: list[VllmServer] = []
-    try:
-        with packing_daemon(model, "vtp", tp=2) as sock:
-            held = client.status(sock).models
-            assert sorted(m.tp_rank for m in held) == [0, 1] and len({m.key for m in held}) == 2, held
-            assert not set(os.listdir("/dev/shm")) - shm_before  # the packers' tp group left nothing
-            report = tmp_path / "cache.weights.json"
-            extra = json.dumps({"socket": str(sock), "report": str(report)})
-            disk = VllmServer(model, free_port(), tmp_path / "disk.log", extra=TP, env=NOBIND)
-            servers.append(disk)
-            cache = VllmServer(model, free_port(), tmp_path / "cache.log", env=NOBIND,
-                               extra=(*TP, "--load-format", "failover", "--model-loader-extra-config", extra))
-            servers.append(cache)
-            for s in servers:
-                s.wait_ready()
-            info = json.loads(report.read_text())
-            assert info["source"] == "cache" and info["tp_size"] == 2 and info["shared_bytes"] > 0, info
-
-            # each rank's worker maps its own rank's arena (the daemon's key for that rank), not the other's
-            keys = {m.tp_rank: m.key for m in held}
-            workers = _workers(cache.proc.pid)
-            assert sorted(workers) == [0, 1], workers
-            for rank, pid in workers.items():
-                names = _arenas(pid)
-                assert len(names) == 1 and keys[rank] in next(iter(names)), (rank, names, keys)
-            assert not _arenas(disk.proc.pid) and not any(_arenas(p) for p in _workers(disk.proc.pid).values())
-
-            want, got = _ask(disk.url), _ask(cache.url)
-            for p in PROMPTS:
-                assert got[p][0] == want[p][0], (p, got[p][0], want[p][0])
-                assert max(abs(x - y) for x, y in zip(got[p][1], want[p][1])) < 1e-3, (p, got[p][1], want[p][1])
-    finally:
-        for s in servers:
-            s.stop()
-    assert not set(os.listdir("/dev/shm")) - shm_before
-
-
-def test_failover_up_runs_a_tp2_vllm_instance_on_the_daemons_weights(procs, run_dir):
+def test_a_tp2_vllm_under_failover_up_maps_each_ranks_arena_answers_as_its_own_tp2_disk_load_and_leaves_nothing(
+        procs, run_dir):
+    """One node (its daemon packs tp 2, its instance maps it) beside one vLLM tp-2 disk load, started
+    together: each tp-2 start costs a minute or more on the shared 2-core machine."""
     run_dir = Path(run_dir)
     model = vllm_checkpoint(run_dir / "model")
     config = write_config(run_dir / "node.toml", model=model, run_dir=run_dir / "node", model_extra={"tp": 2},
@@ -109,23 +73,74 @@ def test_failover_up_runs_a_tp2_vllm_instance_on_the_daemons_weights(procs, run_
                           supervisor={"ready_timeout": READY_TIMEOUT, "stop_timeout": 10.0})
     shm_before = set(os.listdir("/dev/shm"))
     node = Node.__new__(Node)
-    node._launch(procs, run_dir, config, ready_timeout=READY_TIMEOUT)
+    node._launch(procs, run_dir, config, ready_timeout=None)
+    disk = None
     try:
-        slot = node.status()["supervisor"]["slots"][0]
-        assert slot["weights_source"] == "cache" and slot["weights"]["tp_size"] == 2, slot
-        workers = _workers(slot["pid"])
-        assert sorted(workers) == [0, 1] and all(_arenas(p) for p in workers.values()), workers
-        shm = set().union(*(mapped_shm(p) for p in group_members(slot["pid"])))
-        node.seen_pids |= set(group_members(slot["pid"]))
-        c = openai.OpenAI(base_url=node.url + "/v1", api_key="x", max_retries=0, timeout=120)
-        with c:
-            r = c.completions.create(model="chat", prompt="once upon a time", max_tokens=8, temperature=0)
-        assert r.usage.completion_tokens == 8
+        _check_packers(node, shm_before)
+        # vLLM's own tp-2 disk load, started beside the node's instance
+        disk = VllmServer(model, free_port(), run_dir / "disk.log", extra=TP, env=NOBIND)
+        node.wait_ready(READY_TIMEOUT)
+        try:
+            shm = _check(node, disk)
+        finally:
+            node.stop()  # SIGINT: exit 0, no process and no run dir left (asserted)
     finally:
-        node.stop()  # SIGINT: exit 0, no process and no run dir left (asserted)
+        if disk is not None:
+            disk.stop()
     assert not [f for f in shm if os.path.exists(f)], "the tp-2 tree's /dev/shm files are left"
     new = set(os.listdir("/dev/shm")) - shm_before
     assert not new, f"/dev/shm files left behind: {new}"
+
+
+def _check_packers(node: Node, shm_before: set[str]) -> None:
+    """Once the daemon has packed (daemon.ready), no /dev/shm file made up to then is left: the
+    packers' tp group left nothing (files made later are the vLLM instances', checked at the end)."""
+    ready = node.config.daemon_ready_file
+    wait_until(lambda: ready.exists() or node.proc.poll() is not None, READY_TIMEOUT, "the daemon's tp-2 pack")
+    assert node.proc.poll() is None, node.log()[-3000:]
+    packed_at = ready.stat().st_mtime_ns
+    left = []
+    for name in set(os.listdir("/dev/shm")) - shm_before:
+        try:
+            if os.stat(os.path.join("/dev/shm", name)).st_mtime_ns <= packed_at:
+                left.append(name)
+        except FileNotFoundError:
+            pass
+    assert not left, f"the packers' tp group left /dev/shm files: {left}"
+
+
+def _check(node: Node, disk: VllmServer) -> set[str]:
+    """The checks of the scenario, once both are up; returns the /dev/shm files of the node's tp-2 tree."""
+    disk.wait_ready()
+    slot = node.status()["supervisor"]["slots"][0]
+    info = slot["weights"]
+    assert slot["weights_source"] == "cache" and info["tp_size"] == 2 and info["shared_bytes"] > 0, slot
+    held = client.status(node.config.daemon_socket).models
+    assert sorted(m.tp_rank for m in held) == [0, 1] and len({m.key for m in held}) == 2, held
+    members = group_members(slot["pid"])
+    shm = set().union(*(mapped_shm(p) for p in members))
+    node.seen_pids |= set(members)
+
+    # each rank's worker maps its own rank's arena (the daemon's key for that rank), not the other's
+    keys = {m.tp_rank: m.key for m in held}
+    workers = _workers(slot["pid"])
+    assert sorted(workers) == [0, 1], workers
+    for rank, pid in workers.items():
+        names = _arenas(pid)
+        assert len(names) == 1 and keys[rank] in next(iter(names)), (rank, names, keys)
+    assert not _arenas(disk.proc.pid) and not any(_arenas(p) for p in _workers(disk.proc.pid).values())
+
+    # the answers (asked of the instance itself, as of the disk load): those of vLLM's own tp-2 disk load
+    want, got = _ask(disk.url, "tiny"), _ask(f"http://127.0.0.1:{slot['port']}", "chat")
+    for p in PROMPTS:
+        assert got[p][0] == want[p][0], (p, got[p][0], want[p][0])
+        assert max(abs(x - y) for x, y in zip(got[p][1], want[p][1])) < 1e-3, (p, got[p][1], want[p][1])
+    # and through the router
+    c = openai.OpenAI(base_url=node.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    with c:
+        r = c.completions.create(model="chat", prompt="once upon a time", max_tokens=8, temperature=0)
+    assert r.usage.completion_tokens == 8
+    return shm
 
 
 def test_a_failing_rank_fails_the_daemons_load_naming_the_rank_and_leaves_no_packer(procs, tmp_path):

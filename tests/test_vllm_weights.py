@@ -4,16 +4,16 @@ One daemon packs vLLM's own loading of the tiny checkpoint (``--engine vllm``); 
 then map it: their greedy tokens (and, with ``cpu_gemm = prepack``, their logprobs bit for bit) equal
 vLLM's own disk load; two instances share the arena's pages (Pss about half the Rss, nothing private);
 a server built with other settings is refused with the differing fields; a server without a daemon
-refuses to start (the documented fallback) unless told ``fallback = disk``. Then ``failover up``
-with a vLLM primary and standby: both report weights from the daemon and share them, and a killed
-primary's replacement maps them again.
+refuses to start (the documented fallback) unless told ``fallback = disk``; ``failover up`` with
+``weights = "disk"`` runs vLLM without a daemon. That ``failover up``'s vLLM primary and standby
+report weights from the daemon and share them, and that a killed primary's replacement maps them
+again, is checked in test_vllm_node.py, on the node that test starts anyway.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 from pathlib import Path
 
 import openai
@@ -22,7 +22,7 @@ import pytest
 from failover_common.ports import free_port
 from failover.procs.smaps import tree_memory
 from failover.procs.tree import group_members
-from supervisor_helpers import Node, wait_until, write_config
+from supervisor_helpers import Node, write_config
 from vllm_helpers import READY_TIMEOUT, VLLM_FLAGS, VllmServer, needs_vllm, packing_daemon, vllm_checkpoint
 
 pytestmark = [needs_vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -108,55 +108,35 @@ def test_vllm_maps_the_daemons_weights_shares_them_and_answers_as_its_own_disk_l
     assert mem[disk]["arena"]["Rss"] == 0  # vLLM's own load maps nothing of ours
 
 
-def test_a_vllm_built_with_other_settings_is_refused_with_the_differing_fields(daemon, servers):
+def test_a_vllm_built_with_other_settings_or_without_a_daemon_is_refused_unless_told_to_load_from_disk(
+        daemon, servers, tmp_path):
+    """Three servers started together (each vLLM start is mostly one core's work): one built with
+    another dtype than the daemon's, one without a daemon, one without a daemon told to fall back."""
     model, sock, base = daemon
-    other = _server(servers, model, base, "other", *_extra(sock), "--dtype", "bfloat16")
-    with pytest.raises(RuntimeError, match=r"exited"):
-        other.wait_ready()
-    message = other.log.read_text()
-    assert "differing fields" in message and "dtype: 'bfloat16' != 'float32'" in message, message[-3000:]
-
-
-def test_without_a_daemon_vllm_refuses_unless_told_to_load_from_disk(daemon, servers, tmp_path):
-    model, _sock, base = daemon
     missing = Path(os.path.realpath("/tmp")) / f"fo-none-{os.getpid()}.sock"
+    other = _server(servers, model, base, "other", *_extra(sock), "--dtype", "bfloat16")
     refused = _server(servers, model, base, "refused", *_extra(missing))
     fallback = _server(servers, model, base, "fallback", *_extra(missing, fallback="disk",
                                                                   report=str(tmp_path / "f.json")))
+
+    # 1. other settings than the daemon's: refused, the differing fields listed
+    with pytest.raises(RuntimeError, match=r"exited"):
+        other.wait_ready()
+    message = other.log.read_text()
+    assert "differing fields" in message and "dtype: 'bfloat16' != 'float32'" in message, \
+        f"a vLLM with another dtype is not refused naming the field: {message[-3000:]}"
+
+    # 2. no daemon: refused, saying how to load from disk instead
     with pytest.raises(RuntimeError, match="exited"):
         refused.wait_ready()
     message = refused.log.read_text()
-    assert "no cache daemon at" in message and 'weights = "disk"' in message, message[-3000:]
+    assert "no cache daemon at" in message and 'weights = "disk"' in message, \
+        f"a vLLM without a daemon is not refused as documented: {message[-3000:]}"
+
+    # 3. no daemon, fallback = disk: it loads from disk, loudly
     fallback.wait_ready()
-    assert "failover_weights_fallback_disk" in fallback.log.read_text()
-    assert json.loads((tmp_path / "f.json").read_text())["source"] == "disk"
-
-
-def test_failover_up_runs_vllm_on_the_daemons_weights_and_relaunches_on_them(procs, run_dir):
-    model = vllm_checkpoint(Path(run_dir) / "model")
-    node = Node.__new__(Node)
-    config = write_config(Path(run_dir) / "node.toml", model=model, run_dir=Path(run_dir) / "node",
-                          service_extra={"engine": "vllm", "engine_args": VLLM_FLAGS, "kv_memory": "256MiB"},
-                          supervisor={"ready_timeout": READY_TIMEOUT, "stop_timeout": 10.0})
-    node._launch(procs, Path(run_dir), config, ready_timeout=READY_TIMEOUT)
-    try:
-        primary, standby = wait_until(node.serving_pair, 60, "a ready vLLM primary and standby")
-        for inst in (primary, standby):
-            assert node.slot(inst["name"])["weights_source"] == "cache"
-        assert node.status()["supervisor"]["daemon"]["pid"]
-        mem = {i["name"]: tree_memory(group_members(i["pid"]))["arena"] for i in (primary, standby)}
-        for arena in mem.values():
-            assert arena["Rss"] > 0 and arena["Private_Clean"] + arena["Private_Dirty"] == 0, mem
-            assert arena["Pss"] * 2 <= arena["Rss"] + 8192, mem  # the two instances share every page
-        node.seen_pids |= {p for i in (primary, standby) for p in group_members(i["pid"])}
-        os.kill(primary["pid"], signal.SIGKILL)
-        back = wait_until(lambda: (p := node.serving_pair()) and p[1]["name"] == primary["name"]
-                          and p[1]["pid"] != primary["pid"] and p, READY_TIMEOUT, "the relaunched vLLM standby")
-        assert node.slot(back[1]["name"])["weights_source"] == "cache"
-        node.seen_pids |= set(group_members(back[1]["pid"]))
-    finally:
-        node.stop()
-    assert not list(Path(run_dir).glob("node/*.weights.json"))
+    assert "failover_weights_fallback_disk" in fallback.log.read_text(), "the fallback to disk is not logged"
+    assert json.loads((tmp_path / "f.json").read_text())["source"] == "disk", "the fallback does not report disk"
 
 
 def test_weights_disk_runs_vllm_without_a_daemon(procs, run_dir):
