@@ -318,3 +318,12 @@ def stalling_app(first: Outcome, sent: int) -> web.Application:
     app = web.Application()
     app.add_routes([web.get("/ready", _ready), web.post("/v1/completions", completions)])
     return app
+
+
+async def under_load(router, workers: int) -> tuple[openai.AsyncOpenAI, dict, Load]:
+    """A client of ``router``, the references of what Load sends, and ``workers`` clients started."""
+    c = client(router)
+    ref = await references(c)
+    load = Load(c, workers=workers)
+    load.start()
+    return c, ref, load

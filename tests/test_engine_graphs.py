@@ -10,10 +10,7 @@ The CPU case runs the same fused path through Triton's interpreter where Triton 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,6 +19,7 @@ from cache_daemon.checkpoint import load_shards
 from conftest import free_port
 from engine.model_runner import StepPlan
 from engine_helpers import build_llm_engine, build_runner, get, make_seq, run_engine, start_engine
+import triton_interp
 
 PROMPTS = [[5, 17, 42, 99, 3], [3, 250, 7, 11, 300, 64, 128, 9, 1, 2, 77, 31], [9],
            [200, 201, 202, 203, 204, 205, 206, 207, 208], [1, 2, 3], [44] * 20, [7, 8], [300, 301, 302, 303]]
@@ -110,15 +108,8 @@ def test_serving_while_graphs_are_captured_loses_no_request(tiny_model, procs):
 
 INTERPRETED = """
 import sys
-from triton.runtime import interpreter
-
-# Triton 3.6's interpreter holds a loaded scalar as a 1-element array, which cannot be a loop bound
-# (range(0, n, ...) with n = tl.load(...)); compiled Triton can. Let it take the one element.
-patch = interpreter._patch_lang_tensor
-def _patched(tensor, scope):
-    patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-interpreter._patch_lang_tensor = _patched
+import triton_interp
+triton_interp.allow_loaded_scalar_bounds()
 
 from engine import fused
 from engine_helpers import build_runner
@@ -138,11 +129,4 @@ def test_fused_path_equals_the_reference_through_the_triton_interpreter(tmp_path
 
     spec = {"qwen3": TinySpec(arch="qwen3", tie=True), "mistral": TinySpec(arch="mistral", head_dim=32)}
     tiny_model = write_checkpoint(tmp_path / arch, spec.get(arch, TinySpec(arch=arch)))
-    # the interpreter is chosen when a kernel is defined: a fresh process with TRITON_INTERPRET set
-    here = os.path.dirname(__file__)
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", INTERPRETED, str(tiny_model)], env=env, capture_output=True,
-                          text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert float(done.stdout.strip().splitlines()[-1]) <= 1e-4
+    assert float(triton_interp.run(INTERPRETED, str(tiny_model))) <= 1e-4

@@ -6,23 +6,14 @@ compiled kernels run in the CUDA tests (``tests/test_engine_graphs.py``)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+import triton_interp
 
 SPLIT_CHECK = """
 import sys, torch
-from triton.runtime import interpreter
-
-# Triton 3.6's interpreter holds a loaded scalar as a 1-element array, which cannot be a loop bound
-# (see tests/test_engine_graphs.py); compiled Triton can. Let it take the one element.
-patch = interpreter._patch_lang_tensor
-def _patched(tensor, scope):
-    patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-interpreter._patch_lang_tensor = _patched
+import triton_interp
+triton_interp.allow_loaded_scalar_bounds()
 
 from engine import fused
 from engine.kv_cache import KVPool
@@ -65,22 +56,12 @@ print("ok")
 """
 
 
-def _run(code: str, *args: str, interpret: bool) -> str:
-    here = os.path.dirname(__file__)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
-    if interpret:  # the interpreter is chosen when a kernel is defined: a fresh process
-        env["TRITON_INTERPRET"] = "1"
-    done = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.strip().splitlines()[-1]
-
-
 @pytest.mark.parametrize("split", [16, 64])  # 5 spans of a row's 80 positions, and 2
 def test_split_decode_equals_the_unsplit_kernel(split):
     pytest.importorskip("triton")
-    assert float(_run(SPLIT_CHECK, str(split), interpret=True)) <= 1e-5
+    assert float(triton_interp.run(SPLIT_CHECK, str(split))) <= 1e-5
 
 
 def test_the_zygote_preload_caches_triton_and_creates_no_cuda_context():
     pytest.importorskip("triton")
-    assert _run(PRELOAD_CHECK, interpret=False) == "ok"
+    assert triton_interp.run(PRELOAD_CHECK, interpret=False) == "ok"

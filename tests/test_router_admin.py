@@ -9,8 +9,8 @@ import pytest
 
 from conftest import Procs
 from router import states
-from router_helpers import (KillLauncher, Load, client, counter, reference, references, running_router,
-                            start_engines, tolerant, wait_for)
+from router_helpers import (KillLauncher, client, counter, reference, running_router, start_engines,
+                            tolerant, under_load, wait_for)
 
 pytestmark = pytest.mark.asyncio
 TOKEN = "test-admin-token"
@@ -99,10 +99,7 @@ async def test_planned_promote_and_drain_fail_no_request(engines, config):
     launcher = KillLauncher(engines)
     async with running_router(config, launcher, primary=a, standbys=[b]) as router:
         await ready_pair(router)
-        c = client(router)
-        ref = await references(c)
-        load = Load(c, workers=6)
-        load.start()
+        c, ref, load = await under_load(router, 6)
         await load.streaming(2)
         status, body = await admin(router, "POST", "/admin/promote", {"service": "tiny"})
         assert status == 200 and body == {"service": "tiny", "primary": "eng-b", "previous": "eng-a",

@@ -9,8 +9,8 @@ import pytest
 
 from router import states
 from router.config import RouterConfig
-from router_helpers import (KillLauncher, Load, client, counter, kill, reference, references, running_router,
-                            start_engines, wait_for)
+from router_helpers import (KillLauncher, client, counter, kill, reference, running_router, start_engines,
+                            under_load, wait_for)
 
 pytestmark = pytest.mark.asyncio
 
@@ -25,10 +25,7 @@ async def test_sigkill_primary_under_load_loses_nothing(engines):
     a, b = engines
     launcher = KillLauncher(engines)
     async with running_router(RouterConfig(port=0), launcher, primary=a, standbys=[b]) as router:
-        c = client(router)
-        ref = await references(c)
-        load = Load(c, workers=8)
-        load.start()
+        c, ref, load = await under_load(router, 8)
         await load.until(8)
         await load.streaming(2)
         kill(a.proc, signal.SIGKILL)
@@ -77,10 +74,7 @@ async def test_sigstop_primary_is_promoted_away_by_the_probe(engines, launcher_k
     launcher = KillLauncher(engines) if launcher_kind == "supervised" else None
     try:
         async with running_router(RouterConfig(port=0), launcher, primary=a, standbys=[b]) as router:
-            c = client(router)
-            ref = await references(c)
-            load = Load(c, workers=4)
-            load.start()
+            c, ref, load = await under_load(router, 4)
             await load.until(4)
             svc = router.services["tiny"]
             await load.streaming(1)

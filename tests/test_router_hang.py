@@ -16,8 +16,8 @@ from aiohttp import web
 from conftest import free_port
 from router import states
 from router.config import RouterConfig
-from router_helpers import (KillLauncher, Load, client, complete, counter, kill, reference, references,
-                            running_router, serve_app, start_engines, wait_for)
+from router_helpers import (KillLauncher, client, complete, counter, kill, reference, running_router,
+                            serve_app, start_engines, under_load, wait_for)
 
 pytestmark = pytest.mark.asyncio
 
@@ -41,10 +41,7 @@ async def test_a_frozen_primary_under_streaming_load_is_failed_by_its_stalled_st
                               primary=a, standbys=[b]) as router:
         svc = router.services["tiny"]
         await both_ready(svc)
-        c = client(router)
-        ref = await references(c)
-        load = Load(c, workers=4)
-        load.start()
+        c, ref, load = await under_load(router, 4)
         await load.until(4)
         await load.streaming(1)
         kill(a.proc, signal.SIGSTOP)
@@ -118,10 +115,7 @@ async def test_a_one_second_stall_of_the_routers_loop_with_streams_open_fences_n
     async with running_router(RouterConfig(port=0), launcher, primary=a, standbys=[b]) as router:
         svc = router.services["tiny"]
         await both_ready(svc)
-        c = client(router)
-        ref = await references(c)
-        load = Load(c, workers=4)
-        load.start()
+        c, ref, load = await under_load(router, 4)
         for _ in range(3):
             await load.streaming(1)
             time.sleep(1.0)  # noqa: ASYNC251 - the point: the router's own loop stalls 1 s

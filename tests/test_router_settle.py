@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from router.config import RouterConfig
-from router_helpers import KillLauncher, Load, client, counter, kill, references, running_router, start_engines, wait_for
+from router_helpers import KillLauncher, counter, kill, running_router, start_engines, under_load, wait_for
 
 pytestmark = pytest.mark.asyncio
 
@@ -36,10 +36,7 @@ async def test_the_replacement_is_requested_after_the_broken_requests_resumed(pr
     async with running_router(config, launcher, primary=a, standbys=[b]) as router:
         launcher.router = router
         svc = router.services["tiny"]
-        c = client(router)
-        ref = await references(c)
-        load = Load(c, workers=8)
-        load.start()
+        c, ref, load = await under_load(router, 8)
         await load.until(8)
         await load.streaming(2)
         kill(a.proc, signal.SIGKILL)
