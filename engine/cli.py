@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "use is slow: a promoted standby's first requests pay it)")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prompt tokens prefilled per step while other sequences decode (0: whole prompts)")
+    p.add_argument("--graph-tokens", type=int, default=256,
+                   help="CUDA graphs: a step of at most this many rows (prompt tokens being prefilled plus "
+                        "decoding sequences) runs as one graph replay, so short prompts and migrated streams "
+                        "are prefilled without Python's per-kernel launch cost; 0: prefill eagerly")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="CUDA: decode eagerly, capture no graphs (they are captured after /ready otherwise)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + completion tokens")
@@ -110,7 +114,7 @@ def make_config(args: argparse.Namespace) -> EngineConfig:
         drain_timeout=args.drain_timeout, max_body_bytes=args.max_body_bytes,
         admin_token_file=args.admin_token_file, warmup_batch=args.warmup_batch,
         cudnn_attention=args.cudnn_attention, cuda_graphs=args.cuda_graphs,
-        prefill_chunk=args.prefill_chunk,
+        prefill_chunk=args.prefill_chunk, graph_tokens=args.graph_tokens,
     )
 
 

@@ -155,6 +155,9 @@ class EngineConfig:
     cudnn_attention: bool = False  # cuDNN SDPA: faster steady decode, a slow first use of each shape
     cuda_graphs: bool = True  # CUDA, tp 1: decode graphs captured per batch bucket after /ready
     prefill_chunk: int = 512  # prompt tokens prefilled per step while others decode (0: no chunking)
+    # CUDA graphs: rows of the largest step graph; a step whose prefill tokens and decode rows fit
+    # runs as one graph replay, each prompt token a row (engine.cuda_graphs); 0: prefill eagerly
+    graph_tokens: int = 256
 
     def __post_init__(self) -> None:
         checks = [
@@ -171,6 +174,7 @@ class EngineConfig:
             (self.kv_block_size >= 1, "--kv-block-size must be at least 1"),
             (self.max_batch >= 1, "--max-batch must be at least 1"),
             (self.prefill_chunk >= 0, "--prefill-chunk must not be negative (0: whole prompts)"),
+            (self.graph_tokens >= 0, "--graph-tokens must not be negative (0: prefill eagerly)"),
             (1 <= self.warmup_batch <= self.max_batch,
              "--warmup-batch must be in 1..--max-batch"),
             (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be at least 2"),

@@ -7,6 +7,15 @@ written into one pinned host buffer and sent with one copy; greedy tokens are ta
 (argmax inside the step), and the caller copies them back once. So eager and graph steps run the
 very same kernels on the very same shapes, and a captured graph is exact replay of the eager step.
 
+Steps that prefill run the same way (``run`` with ``sample``): each prompt token being prefilled is
+one more row (its token, position, slot and its sequence's block table), so a step of a few short
+prompts (the streams a promoted standby takes over, a new request beside running ones) is one graph
+replay instead of an eager forward, whose Python launches cost ~1 ms a layer on an H200. The
+attention kernel reads each row's positions up to its own, the step's K/V stored first, which is
+causal prefill. Buckets past ``max_batch`` (up to ``graph_tokens`` rows) exist for these steps only:
+their logits are taken for the sampled rows alone (at most ``max_batch``: one per sequence), and
+their attention runs one program per (row, kv head), without the split decode's per-span buffers.
+
 Graphs are captured one bucket at a time, largest first (they share one memory pool, which the
 largest sizes), by ``capture_next`` between two engine steps: the engine is ready, and serving,
 before any graph exists; a bucket without its graph runs eagerly. The buffers and the pool's
@@ -27,27 +36,38 @@ from engine.kv_cache import AttentionBatch
 log = structlog.get_logger(__name__)
 
 
-def buckets_for(max_batch: int) -> tuple[int, ...]:
+def buckets_for(max_batch: int, rows: int = 0) -> tuple[int, ...]:
+    """Powers of two up to ``max_batch``, then on to ``rows`` (the step graphs that prefill)."""
     sizes, b = [], 1
     while b < max_batch:
         sizes.append(b)
         b *= 2
-    return (*sizes, max_batch)
+    sizes.append(max_batch)
+    b = 1 << max_batch.bit_length()
+    while b < rows:
+        sizes.append(b)
+        b *= 2
+    if rows > max_batch:
+        sizes.append(rows)
+    return tuple(sizes)
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv, max_batch: int, max_len: int, device: torch.device, capture: bool) -> None:
-        self.model, self.kv, self.device = model, kv, device
-        self.buckets = buckets_for(max_batch)
+    def __init__(self, model, kv, max_batch: int, max_len: int, device: torch.device, capture: bool,
+                 rows: int = 0) -> None:
+        self.model, self.kv, self.device, self.max_batch = model, kv, device, max_batch
+        self.buckets = buckets_for(max_batch, rows if capture else 0)
         self.bmax, self.width = self.buckets[-1], -(-max_len // kv.block_size)
-        rows = 4 + self.width  # token, position, slot, length, then the table's columns
+        self.eager_rows = False  # prefill steps eagerly through these buffers too (tests, comparisons)
+        rows = 5 + self.width  # token, position, slot, length, sampled row, then the table's columns
         self.host = torch.zeros((rows, self.bmax), dtype=torch.long)
         if device.type == "cuda":  # a non-blocking copy needs page-locked memory
             self.host = self.host.pin_memory()
         self.host_np = self.host.numpy()  # the same memory, written with numpy (cheaper per call)
         self.dev = torch.zeros((rows, self.bmax), dtype=torch.long, device=device)
         self.tokens, self.positions, self.slots, self.lens = self.dev[0], self.dev[1], self.dev[2], self.dev[3]
-        self.tables = self.dev[4:]  # [width, bmax]: column b is row b's block table
+        self.sampled = self.dev[4, :max_batch]  # the rows whose logits a bucket past max_batch takes
+        self.tables = self.dev[5:]  # [width, bmax]: column b is row b's block table
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pending = list(reversed(self.buckets)) if capture else []
         self.pool = None
@@ -64,20 +84,30 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def run(self, tokens, positions, block_tables) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step: (logits [n, V] float32, greedy ids [n]); both views of buffers the next
-        step overwrites."""
+    def can_run(self, rows: int) -> bool:
+        """A step of ``rows`` rows (prefill tokens + decode rows) has a bucket with its graph."""
+        return rows <= self.bmax and (self.eager_rows or self.bucket(rows) in self.graphs)
+
+    def run(self, tokens, positions, block_tables, sample=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of one token per row: (logits [n, V] float32, greedy ids [n]), for every row or,
+        with ``sample`` (row indices, at most ``max_batch``), for those rows in that order; both
+        views of buffers the next step overwrites. Rows of one sequence share its table object."""
         n = len(tokens)
         bucket = self.bucket(n)
-        self._load(tokens, positions, block_tables, bucket)
+        self._load(tokens, positions, block_tables, bucket, sample if bucket > self.max_batch else None)
         if bucket in self.graphs:
             graph, logits, greedy = self.graphs[bucket]
             graph.replay()
         else:
             logits, greedy = self._forward(bucket)
-        return logits[:n], greedy[:n]
+        if sample is None:
+            return logits[:n], greedy[:n]
+        if bucket > self.max_batch:
+            return logits[:len(sample)], greedy[:len(sample)]
+        rows = torch.tensor(sample, dtype=torch.long).to(self.device, non_blocking=True)
+        return logits.index_select(0, rows), greedy.index_select(0, rows)
 
-    def _load(self, tokens, positions, block_tables, bucket: int) -> None:
+    def _load(self, tokens, positions, block_tables, bucket: int, sample) -> None:
         bs, h = self.kv.block_size, self.host_np
         n = len(tokens)
         used = max(-(-(p + 1) // bs) for p in positions)
@@ -87,18 +117,28 @@ class DecodeGraphs:
         h[1, :n] = positions
         h[2, :n] = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)]
         h[3, :n] = h[1, :n] + 1
-        for row, table in enumerate(block_tables):
-            k = min(used, len(table))
-            h[4:4 + k, row] = table[:k]
+        if sample is not None:
+            h[4, :self.max_batch] = 0
+            h[4, :len(sample)] = sample
+        start = 0  # each run of rows sharing one table (a prefill's tokens) is written at once
+        for row in range(1, n + 1):
+            if row == n or block_tables[row] is not block_tables[start]:
+                table = block_tables[start]
+                k = min(used, len(table))
+                h[5:5 + k, start:row] = [[b] for b in table[:k]]  # broadcast over the run's columns
+                start = row
         # one copy of the rows this step reads; the tables' unused cells stay whatever they were
         # (never read: each row reads only its length's blocks)
-        self.dev[:4 + used].copy_(self.host[:4 + used], non_blocking=True)
+        self.dev[:5 + used].copy_(self.host[:5 + used], non_blocking=True)
 
     def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = bucket > self.max_batch  # a prefill step's bucket (see the module doc)
         batch = AttentionBatch(self.positions[:bucket].unsqueeze(1), False, (), slots=self.slots[:bucket],
-                               tables=self.tables, lens=self.lens[:bucket])
-        hidden = self.model(self.tokens[:bucket].unsqueeze(1), self.kv, batch)
-        logits = self.model.logits(hidden[:, -1])
+                               tables=self.tables, lens=self.lens[:bucket], split=not rows)
+        hidden = self.model(self.tokens[:bucket].unsqueeze(1), self.kv, batch)[:, -1]
+        if rows:
+            hidden = hidden.index_select(0, self.sampled)
+        logits = self.model.logits(hidden)
         return logits, logits.argmax(-1)
 
     def capture_next(self) -> bool:
@@ -108,9 +148,9 @@ class DecodeGraphs:
             return False
         bucket = self.pending.pop(0)
         start = time.perf_counter()
-        self.host_np[:4] = 0
+        self.host_np[:5] = 0
         self.host_np[2] = -1
-        self.dev[:4].copy_(self.host[:4], non_blocking=True)
+        self.dev[:5].copy_(self.host[:5], non_blocking=True)
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
         side = self.stream

@@ -69,6 +69,7 @@ class AttentionBatch:
     slots: torch.Tensor | None = None
     tables: torch.Tensor | None = None
     lens: torch.Tensor | None = None
+    split: bool = True  # fused decode: split along the context (False: one program per row, kv head)
 
 
 class KVPool:
@@ -244,7 +245,8 @@ class KVPool:
                            v.transpose(1, 2).reshape(b * t, hkv, d), batch.slots)
             if batch.prefill:
                 return self._prefill_attention(layer, q, k, v, batch)
-            return fused.paged_decode(self, layer, q[:, :, 0], batch.tables, batch.lens).unsqueeze(2)
+            attend = fused.paged_decode if batch.split else fused.paged_decode_unsplit
+            return attend(self, layer, q[:, :, 0], batch.tables, batch.lens).unsqueeze(2)
         for which, new in ((0, k), (1, v)):
             tokens = new.transpose(1, 2).reshape(b * t, hkv, d)  # [B*T, Hkv, D]
             for c, rows, local in batch.writes:

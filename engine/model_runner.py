@@ -29,14 +29,17 @@ class StepPlan:
     """prefill: ``tokens`` holds each row's tokens from position ``positions[row]`` on (default 0;
     rows are padded on the right to the longest; a row past 0 is a later chunk of a chunked prefill
     and runs alone). decode: one token per row at ``positions``. Each row's KV lives in the
-    blocks of its ``block_tables`` row. resize: the pool becomes ``chunks`` (block counts, see
-    ``KVPool.plan_resize``). stop: the group shuts down."""
+    blocks of its ``block_tables`` row. rows: like decode, but rows may be prompt tokens being
+    prefilled (a sequence's rows in position order, sharing its table), and the logits returned are
+    those of ``sample_rows`` (CUDA step graphs, ``engine.cuda_graphs``). resize: the pool becomes
+    ``chunks`` (block counts, see ``KVPool.plan_resize``). stop: the group shuts down."""
 
-    kind: str  # "prefill" | "decode" | "resize" | "capture" (the next CUDA graph) | "stop"
-    tokens: tuple = ()  # prefill: tuple of tuples of ids; decode: one id per row
+    kind: str  # "prefill" | "decode" | "rows" | "resize" | "capture" (the next CUDA graph) | "stop"
+    tokens: tuple = ()  # prefill: tuple of tuples of ids; decode, rows: one id per row
     positions: tuple[int, ...] = ()
     block_tables: tuple[tuple[int, ...], ...] = ()
     chunks: tuple[int, ...] = ()
+    sample_rows: tuple[int, ...] = ()
 
 
 class ModelRunner:
@@ -70,7 +73,7 @@ class ModelRunner:
         self.decoder = None
         if self.kv.fused:
             self.decoder = DecodeGraphs(self.model, self.kv, cfg.max_batch, self.max_len, self.device,
-                                        capture=cfg.cuda_graphs and cfg.tp == 1)
+                                        capture=cfg.cuda_graphs and cfg.tp == 1, rows=cfg.graph_tokens)
         self.greedy: torch.Tensor | None = None  # the last decode's argmax ids, on the device
         log.info("kv_cache_allocated", blocks=self.kv.num_blocks, block_size=self.kv.block_size,
                  chunks=len(self.kv.chunks), max_len=self.max_len, bytes=self.kv.nbytes,
@@ -81,6 +84,15 @@ class ModelRunner:
     @property
     def graphs_pending(self) -> bool:
         return self.decoder is not None and bool(self.decoder.pending)
+
+    @property
+    def graph_rows(self) -> int:
+        """Rows of the largest step graph (0: none)."""
+        return 0 if self.decoder is None else self.decoder.bmax
+
+    def can_run_rows(self, rows: int) -> bool:
+        """A step of ``rows`` rows (prompt tokens + decoding sequences) can run as one step graph."""
+        return self.decoder is not None and self.cfg.tp == 1 and self.decoder.can_run(rows)
 
     @property
     def graphs_captured(self) -> int:
@@ -125,7 +137,8 @@ class ModelRunner:
             last = torch.tensor(lens, device=dev) - 1
             return self.model.logits(hidden[torch.arange(len(lens), device=dev), last])
         if self.decoder is not None:
-            logits, self.greedy = self.decoder.run(plan.tokens, plan.positions, plan.block_tables)
+            sample = plan.sample_rows if plan.kind == "rows" else None
+            logits, self.greedy = self.decoder.run(plan.tokens, plan.positions, plan.block_tables, sample)
             return logits
         tokens = torch.tensor(plan.tokens, dtype=torch.long, device=dev).unsqueeze(1)
         hidden = self.model(tokens, self.kv, self.kv.decode_batch(plan.block_tables, plan.positions))

@@ -52,7 +52,8 @@ def decode_logits(runner, rows: int, steps: int = 4) -> list[torch.Tensor]:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_replay_equals_eager_for_every_bucket(tiny_model, dtype):
     runner = build_runner(tiny_model, weights=cuda_weights(tiny_model, getattr(torch, dtype)), device="cuda",
-                          dtype=dtype, max_batch=8, kv_block_size=4, max_model_len=64, kv_memory=1 << 22)
+                          dtype=dtype, max_batch=8, kv_block_size=4, max_model_len=64, kv_memory=1 << 22,
+                          graph_tokens=0)
     graphs = runner.decoder
     assert graphs.buckets == (1, 2, 4, 8) and not graphs.graphs
     eager = {rows: decode_logits(runner, rows) for rows in (1, 2, 3, 4, 5, 8)}
@@ -69,7 +70,7 @@ def test_graph_replay_equals_eager_for_every_bucket(tiny_model, dtype):
 def test_bf16_greedy_text_is_the_same_with_and_without_graphs(tiny_model):
     def run(graphs: bool):
         engine = build_llm_engine(tiny_model, weights=cuda_weights(tiny_model, torch.bfloat16), device="cuda",
-                                  dtype="bfloat16", max_batch=8, cuda_graphs=graphs)
+                                  dtype="bfloat16", max_batch=8, cuda_graphs=graphs, graph_tokens=0)
         while engine.capture_graph():
             pass
         assert engine.runner.graphs_captured == (4 if graphs else 0)
@@ -102,8 +103,9 @@ def test_serving_while_graphs_are_captured_loses_no_request(tiny_model, procs):
     log = proc.log_path.read_text()
     assert '"cuda_graphs_live"' in log
     status, body = get(port, "/metrics")
-    assert status == 200 and 'failover_engine_cuda_graph_buckets{model_name="m"} 7.0' in body
-    assert get(port, "/ready")[1]["cuda_graph_buckets"] == 7
+    # 1, 2, ..., 64 for decode, then 128 and 256 for steps that prefill (--graph-tokens 256)
+    assert status == 200 and 'failover_engine_cuda_graph_buckets{model_name="m"} 9.0' in body
+    assert get(port, "/ready")[1]["cuda_graph_buckets"] == 9
 
 
 INTERPRETED = """
