@@ -48,7 +48,7 @@ class EngineMetrics:
         self.weights_seconds = Gauge(p + "weights_load_seconds", "Time to map or load the weights",
                                      ("model_name", "source"), registry=r)
         self.ready = Gauge(p + "ready", "1 while the engine admits requests", labels, registry=r)
-        self.graphs = Gauge(p + "cuda_graph_buckets", "Decode batch buckets replayed from a CUDA graph "
+        self.graphs = Gauge(p + "cuda_graph_buckets", "Step buckets (decode batches, then prefill rows) replayed from a CUDA graph "
                             "(captured after ready; 0 = eager)", labels, registry=r)
         self.model = model
         for family in (self.prompt_tokens, self.generation_tokens, self.running, self.waiting, self.ready,
