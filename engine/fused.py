@@ -23,8 +23,10 @@ def available(device: torch.device) -> bool:
 def preload() -> None:
     """The CUDA-free part of Triton's first launch, for a zygote to pay once before it forks: the
     hash of Triton's own install (``triton_key``: it reads all of libtriton, ~0.5 GB, in every new
-    process), the ptxas version checks (a subprocess each) and each kernel's source hash. Touches no
-    CUDA (no driver, no device query), so the forks stay clean; what it caches they inherit."""
+    process), the ptxas version checks (a subprocess each), each kernel's source hash and the Gluon
+    modules the first launch imports (~150 ms on the H200's host, where site-packages keeps no
+    bytecode). Touches no CUDA (no driver, no device query), so the forks stay clean; what it caches
+    they inherit."""
     if tk is None:
         return
     try:
@@ -44,6 +46,10 @@ def preload() -> None:
         pass  # another Triton layout: the first launch pays for these instead
     for kernel in kernels():
         kernel.cache_key  # noqa: B018 - a property that hashes the kernel's source and dependencies
+    try:  # the first launch's argument specialization imports Gluon (~150 ms on the H200's host)
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:  # a Triton without Gluon
+        pass
 
 
 def kernels() -> list:

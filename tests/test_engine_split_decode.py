@@ -51,6 +51,9 @@ from engine import fused
 names = {k.fn.__name__ for k in fused.kernels()}
 assert {"paged_decode_split_kernel", "paged_decode_combine_kernel", "store_kv_kernel", "rope_kernel"} <= names, names
 assert all(k.hash is not None for k in fused.kernels()), "every launched kernel's source hash is cached"
+import importlib.util, sys
+if importlib.util.find_spec("triton.experimental.gluon") is not None:
+    assert "triton.experimental.gluon" in sys.modules, "the Gluon modules a first launch imports are loaded"
 assert not torch.cuda.is_initialized(), "the preload must not create a CUDA context"
 print("ok")
 """
