@@ -42,14 +42,15 @@ def prefill_plans(prompts: list[list[int]], block_size: int):
 
 
 def engine_run(engine, scenario: str = "joins") -> dict:
-    """joins: late joiners beside decodes and a long prompt in chunks; overflow: 48 prompt tokens at
+    """joins: late joiners beside decodes, a long prompt in chunks, one sequence sampled; overflow: 48 prompt tokens at
     once (past the 32-row graph, within twice it: cut to fit); long: 72 at once (prefilled eagerly)."""
     if scenario != "joins":
         count = 4 if scenario == "overflow" else 6
         seqs = [make_seq(f"o{i}", [(13 * i + j) % 500 + 3 for j in range(12)], max_tokens=4, ignore_eos=True)
                 for i in range(count)]
         return run_engine(engine, seqs)
-    seqs = [make_seq(f"r{i}", p, max_tokens=6, ignore_eos=True) for i, p in enumerate(PROMPTS[:3])]
+    seqs = [make_seq(f"r{i}", p, max_tokens=6, ignore_eos=True, **({"temperature": 0.9} if i == 1 else {}))
+            for i, p in enumerate(PROMPTS[:3])]  # r1 sampled: its logits row, drawn by (seed, position)
     late = {2: [make_seq("late", PROMPTS[3], max_tokens=5, ignore_eos=True)],
             4: [make_seq("long", [11 + i for i in range(30)], max_tokens=3, ignore_eos=True)]}
     return run_engine(engine, seqs, join_at=late)
