@@ -264,6 +264,8 @@ def main() -> int:
                    help="seconds of load between a round's ready standby and the next kill (2 on CUDA, 1 on CPU)")
     p.add_argument("--warmup", type=float, default=None, help="seconds of load before the first kill (12 on CUDA, 2 on CPU)")
     p.add_argument("--save-log", type=Path, default=None, help="copy the node's log (every process) here")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning"],
+                   help="this process's log (its router, clients): info prints each migration and role change")
     p.add_argument("--png", type=Path, default=None, help="write a PNG timeline of the crash round here "
                    "(needs matplotlib: the [plots] extra)")
     a = p.parse_args()
@@ -281,7 +283,7 @@ def main() -> int:
         a.kv_memory, a.batch_kv_memory = "32MiB", "32MiB"
     if a.batch_items is None:  # given explicitly, it is kept (a tp=2 CPU run needs a batch that outlasts the kills)
         a.batch_items = 60 if not CUDA else 400
-    configure_logging("warning", process="gpu-e2e")
+    configure_logging(a.log_level, process="gpu-e2e")
     import torch  # no CUDA context here: it would be charged to this process and skew the memory figures
 
     gpu = nvsmi("gpu=name")[0][0] if CUDA else "cpu (smoke test)"
