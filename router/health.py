@@ -13,7 +13,8 @@ sampled (router/stall.py). When every one of them is silent past its own rhythm,
 to it has gone unanswered for ``hang_probe_timeout`` (shorter than ``probe_timeout``: two signals
 agree; at the silence's start one probe is sent at once, not at the next ``probe_interval``), *and*
 no probe sent after that one got an answer, *and* the router's loop did not lag over that window,
-the instance is reported once as ``HANG``. promotion.py fails it over at once, unless it is the
+the instance is reported once as ``HANG``. A lag vetoes the verdict until the loop has caught up:
+the judgement then starts afresh (a new probe, a window after the lag). promotion.py fails it over at once, unless it is the
 last ready instance (then it is kept, as for a probe timeout).
 
 The monitor only observes; it reports each verdict to ``on_result`` (the router decides).
@@ -65,7 +66,9 @@ class HealthMonitor:
         self._serial = 0
         self._silence = StreamSilence(config.hang_stream_floor, config.hang_stream_factor)
         self._reported: dict[Instance, float] = {}  # silence start already reported as HANG
-        self._asked: dict[Instance, float] = {}  # silence start a probe was sent for at once
+        self._asked: dict[Instance, tuple[float, float]] = {}  # (silence start, veto) a probe was sent for
+        # when our loop's lag last vetoed a hang verdict: the verdict is judged afresh from then on
+        self._vetoed: dict[Instance, float] = {}
         self._stall_task: asyncio.Task | None = None
 
     def watch(self, inst: Instance) -> None:
@@ -164,15 +167,21 @@ class HealthMonitor:
             return
         # The oldest probe still waiting that was sent after the last one to get an answer: an
         # answer to a later probe would show its HTTP side alive (busy, or only its decode stalled).
-        answered = self._answered.get(inst, 0.0)
+        # A veto (below) restarts the judgement: only probes sent after it count, and only lag after it.
+        vetoed = self._vetoed.get(inst, 0.0)
+        answered = max(self._answered.get(inst, 0.0), vetoed)
         probe_t0 = min((t for t in self._sent.get(inst, {}).values() if t > answered), default=None)
         if probe_t0 is None or now - probe_t0 < self.config.hang_probe_timeout:
-            if self._asked.get(inst) != silent:  # ask now rather than at the next probe_interval
-                self._asked[inst] = silent
+            if self._asked.get(inst) != (silent, vetoed):  # ask now rather than at the next probe_interval
+                self._asked[inst] = (silent, vetoed)
                 self._spawn(inst)
             return  # the streams alone fence nothing: wait for a probe to agree (or not)
-        if (lag := self.lag.lag_since(min(silent, probe_t0))) > self.config.loop_lag_tolerance:
-            return  # our loop was late: the tokens may be sitting unread in our sockets
+        if (lag := self.lag.lag_since(max(min(silent, probe_t0), vetoed))) > self.config.loop_lag_tolerance:
+            # our loop was late: the tokens may be sitting unread in our sockets. Not for good: once
+            # the loop has caught up, streams still silent and a fresh probe unanswered are a hang
+            # (a lag kept in the window would veto every later verdict, leaving only the probes)
+            self._vetoed[inst] = now
+            return
         self._reported[inst] = silent
         log.warning("hang_detected", service=inst.service, instance=inst.name,
                     streams=sum(1 for a in inst.attempts if a.last), silent_ms=round((now - silent) * 1e3, 1),
