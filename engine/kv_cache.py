@@ -82,6 +82,9 @@ class KVPool:
         self.chunks: list[torch.Tensor] = []
         self.starts: list[int] = []
         self.fused = fused.available(self.device)
+        # CPU: where each layer's gathered K and V go, reused (a fresh tensor per layer cost a fresh
+        # mapping of its pages each time: 2-3x the gather and attention themselves at 16 x 512)
+        self._scratch: list[torch.Tensor | None] = [None, None]
         if self.fused:  # see the module doc: what the kernels address the chunks through
             self.anchor = torch.empty(64, dtype=dtype, device=self.device)
             self.offsets = torch.zeros((2, layers, max_blocks), dtype=torch.long, device=self.device)
@@ -149,6 +152,7 @@ class KVPool:
         nothing and allocates before appending, so an out-of-memory error leaves the pool as it was;
         a shrink frees before it allocates its (smaller) replacement chunk, so it never needs more
         memory than it had."""
+        self._scratch = [None, None]  # sized by the batches seen: a shrunk (standby) pool gives it back
         keep = 0
         while keep < min(len(chunks), len(self.chunks)) and chunks[keep] == self.chunks[keep].shape[2]:
             keep += 1
@@ -269,16 +273,26 @@ class KVPool:
         mask = torch.arange(start + t, device=q.device) <= start + torch.arange(t, device=q.device).unsqueeze(1)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
+    def _gather_buffer(self, which: int, count: int) -> torch.Tensor:
+        """``count`` blocks to gather K (``which`` 0) or V into: on CPU a view of a buffer kept for
+        the next layer and step (grown when a batch needs more), elsewhere a new tensor (torch's
+        CUDA allocator caches its blocks already)."""
+        shape = (count, self.block_size, self.kv_heads, self.head_dim)
+        if self.device.type != "cpu":
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        buf = self._scratch[which]
+        if buf is None or buf.shape[0] < count:
+            buf = self._scratch[which] = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return buf[:count]
+
     def _gather(self, which: int, layer: int, batch: AttentionBatch) -> torch.Tensor:
         """Each row's blocks as contiguous positions: [B, Hkv, context_len, D]."""
         parts = batch.reads
+        blocks = self._gather_buffer(which, sum(len(local) for _, _, local in parts))
         if len(parts) == 1 and parts[0][1] is None:
             c, _, local = parts[0]
-            blocks = self.chunks[c][which, layer].index_select(0, local)
+            torch.index_select(self.chunks[c][which, layer], 0, local, out=blocks)
         else:
-            count = sum(len(local) for _, _, local in parts)
-            blocks = torch.empty((count, self.block_size, self.kv_heads, self.head_dim), dtype=self.dtype,
-                                 device=self.device)
             for c, rows, local in parts:
                 blocks.index_copy_(0, rows, self.chunks[c][which, layer].index_select(0, local))
         seqs = blocks.shape[0] // batch.table_blocks
