@@ -136,6 +136,12 @@ class FastStream:
                   f"{close}\r\n".encode("latin-1"))
         conn.started = True
 
+    def send(self, data: bytes) -> bool:
+        """``write`` without the wait: True when the client's socket is now paused (drain it)."""
+        conn = self.conn
+        conn.send(b"%x\r\n%b\r\n" % (len(data), data))
+        return conn._paused_writing
+
     async def write(self, data: bytes) -> None:
         if data:
             conn = self.conn

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl as ssl_mod
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -58,7 +59,7 @@ class Response:
     """One response; also its own ``content`` (``readany``/``at_eof``, as aiohttp's StreamReader)."""
 
     __slots__ = ("status", "content_type", "_chunks", "_size", "complete", "error",
-                 "_waiter", "_conn", "headers_done", "raw_headers", "keep_alive", "delimited")
+                 "_waiter", "_conn", "headers_done", "raw_headers", "keep_alive", "delimited", "sink")
 
     def __init__(self, conn: "_Conn") -> None:
         self._conn = conn
@@ -72,6 +73,9 @@ class Response:
         self.delimited = False  # Content-Length or chunked: the end is known without a close
         self.error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
+        # set by the one reader (router/stream.py's relay): body chunks go to it in on_body, not to
+        # the buffer; it must not raise, and hands back by setting this to None and calling _wake()
+        self.sink: Callable[[bytes], None] | None = None
 
     @property
     def headers(self) -> list[tuple[str, str]]:
@@ -197,6 +201,10 @@ class _Conn(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         resp = self.resp
+        sink = resp.sink
+        if sink is not None:  # the relay, in this callback: no task woken per chunk
+            sink(body)
+            return
         resp._chunks.append(body)
         resp._size += len(body)
         if resp._size > HIGH_WATER and not self.paused:
