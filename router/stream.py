@@ -212,7 +212,7 @@ class StreamRelay:
             if not self.started:
                 self._open(instance)
             try:
-                paused = self.response.send(out)
+                paused = self.response.send(out, self.done)  # [DONE]: the stream's end in the same write
             except ConnectionError as exc:
                 raise ClientGone() from exc
             self._sent(now)
