@@ -73,8 +73,9 @@ class Response:
         self.delimited = False  # Content-Length or chunked: the end is known without a close
         self.error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
-        # set by the one reader (router/stream.py's relay): body chunks go to it in on_body, not to
-        # the buffer; it must not raise, and hands back by setting this to None and calling _wake()
+        # set by the one reader (router/stream.py's relay): each read's body chunks go to it, joined,
+        # in data_received, without a wake-up; it must not raise, and hands back by setting this
+        # to None and calling _wake()
         self.sink: Callable[[bytes], None] | None = None
 
     @property
@@ -151,6 +152,11 @@ class _Conn(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
+            if resp.sink is not None and resp._chunks:  # the relay: all this read's chunks in one call
+                chunks = resp._chunks
+                body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                resp.sink(body)
         except httptools.HttpParserUpgrade:
             self._fail(ProtocolError("the engine upgraded the connection"))
         except httptools.HttpParserError as exc:
@@ -201,11 +207,9 @@ class _Conn(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         resp = self.resp
-        sink = resp.sink
-        if sink is not None:  # the relay, in this callback: no task woken per chunk
-            sink(body)
-            return
         resp._chunks.append(body)
+        if resp.sink is not None:  # the relay takes them after the parse (data_received): no wake-up
+            return
         resp._size += len(body)
         if resp._size > HIGH_WATER and not self.paused:
             self.paused = True
