@@ -1,6 +1,6 @@
 """The router's own cost per request, without torch: a stub engine, the router in front of it.
 
-    python3 bench/router_micro.py [-n 2000] [--loop uvloop] [--events 16] [--gap 0.002 --kinds stream]
+    python3 bench/router_micro.py [-n 2000] [--loop uvloop] [--events 16] [--gap 0.002 --kinds stream] [--idle 10]
 
 A stub upstream (an aiohttp app in its own process: ``/ready``, ``/v1/models``, ``/v1/completions``
 whole or streamed with token ids, answered at once) stands in for the engine, so what differs between
@@ -165,6 +165,10 @@ async def main_async(args) -> int:
                 await asyncio.sleep(0.05)
         pid = router.pid if args.profile is None else int(subprocess.check_output(["pgrep", "-P", str(router.pid)]))
         res = {"router": await measure(upstream, proxied, args.n, pid, args.events, args.kinds)}
+        if args.idle:  # the router with nothing to serve: its probes and timers alone
+            c0 = cpu_s(pid)
+            await asyncio.sleep(args.idle)
+            res["router"]["idle"] = {"cpu_ms_per_s": round((cpu_s(pid) - c0) * 1e3 / args.idle, 1)}
         if args.haproxy:
             res["haproxy"] = await with_haproxy(upstream, up_port, args)
         print(f"# router_micro n={args.n} loop={args.loop} events={args.events} gap={args.gap} "
@@ -186,6 +190,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-n", type=int, default=2000, help="requests per kind, each way")
     p.add_argument("--events", type=int, default=16, help="SSE events per streamed answer")
+    p.add_argument("--idle", type=float, default=0.0, metavar="S",
+                   help="then S seconds idle: the router's CPU per second with no request (probes, timers)")
     p.add_argument("--gap", type=float, default=0.0, help="seconds between the stub's SSE events")
     p.add_argument("--kinds", action="append", choices=("completion", "stream", "models"),
                    help="only these kinds (repeatable; default all)")

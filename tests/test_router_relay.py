@@ -123,7 +123,7 @@ def test_the_event_loop_is_uvloop_when_installed_and_asyncio_on_request():
         evloop.factory("trio")
 
 
-def big_stream_app(events: int, size: int, progress: dict) -> "web.Application":
+def big_stream_app(events: int, size: int, progress: dict):
     """An engine stand-in whose stream is far larger than the sockets' buffers: ``events`` events of
     ``size`` bytes of text each, ids on every choice; ``progress["sent"]`` counts its writes."""
     import json
