@@ -1,6 +1,6 @@
 """The router's own cost per request, without torch: a stub engine, the router in front of it.
 
-    python3 bench/router_micro.py [-n 2000] [--loop uvloop] [--events 16]
+    python3 bench/router_micro.py [-n 2000] [--loop uvloop] [--events 16] [--gap 0.002 --kinds stream] [--idle 10]
 
 A stub upstream (an aiohttp app in its own process: ``/ready``, ``/v1/models``, ``/v1/completions``
 whole or streamed with token ids, answered at once) stands in for the engine, so what differs between
@@ -8,6 +8,9 @@ whole or streamed with token ids, answered at once) stands in for the engine, so
 interleaved, from one aiohttp client in this process (the same client both ways): the added latency
 p50/p99 per kind, as bench/vs_haproxy.py measures it, and the router process's CPU per request
 (/proc). Quick enough (seconds) to measure each change; bench/vs_haproxy.py is the real figure.
+``--gap S`` spaces the stub's SSE events by S seconds, as an engine's tokens are: each event is then
+one read and one write of the router's (back to back, they coalesce into a few reads), so the
+stream's CPU per request minus a whole completion's is the router's cost per SSE event.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from loadgen import percentile  # noqa: E402
 from vs_haproxy import cpu_s  # noqa: E402
 
 
-def stub_app(events: int):
+def stub_app(events: int, gap: float = 0.0):
     from aiohttp import web
 
     async def ready(_):
@@ -55,6 +58,8 @@ def stub_app(events: int):
                   "choices": [{"index": 0, "text": "x", "token_ids": [i],
                                "finish_reason": "length" if i == n - 1 else None}]}
             await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+            if gap:
+                await asyncio.sleep(gap)
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -83,6 +88,7 @@ def spawn(*args: str, profile: Path | None = None) -> subprocess.Popen:
     cmd = [sys.executable, __file__, *args]
     if profile is not None:  # py-spy's raw stacks of the router (pip install py-spy)
         cmd = [str(Path(sys.executable).parent / "py-spy"), "record", "-f", "raw", "-r", "500", "-o", str(profile),
+               *(["--native"] if os.environ.get("PYSPY_NATIVE") else []),
                "--", *cmd]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     while (line := p.stdout.readline()) and line.strip() != "ready":
@@ -92,7 +98,8 @@ def spawn(*args: str, profile: Path | None = None) -> subprocess.Popen:
     return p
 
 
-async def measure(direct: str, proxied: str, n: int, router_pid: int, events: int) -> dict:
+async def measure(direct: str, proxied: str, n: int, router_pid: int, events: int,
+                  only: list[str] | None = None) -> dict:
     kinds = {"completion": ("POST", "/v1/completions", {"model": "stub", "prompt": "Hi", "max_tokens": 1}),
              "stream": ("POST", "/v1/completions", {"model": "stub", "prompt": "Hi", "max_tokens": events,
                                                     "stream": True}),
@@ -100,6 +107,8 @@ async def measure(direct: str, proxied: str, n: int, router_pid: int, events: in
     out = {}
     async with aiohttp.ClientSession() as s:
         for kind, (method, path, body) in kinds.items():
+            if only and kind not in only:
+                continue
             lat: dict[str, list[float]] = {"direct": [], "proxied": []}
             for i in range(20):  # warm both connections
                 async with s.request(method, (direct, proxied)[i % 2] + path, json=body) as r:
@@ -134,7 +143,7 @@ async def with_haproxy(upstream: str, up_port: int, args) -> dict:
         hap = subprocess.Popen(["haproxy", "-f", str(cfg), "-db"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             await asyncio.sleep(0.5)
-            return await measure(upstream, f"http://127.0.0.1:{port}", args.n, hap.pid, args.events)
+            return await measure(upstream, f"http://127.0.0.1:{port}", args.n, hap.pid, args.events, args.kinds)
         finally:
             hap.terminate()
             hap.wait(10)
@@ -142,7 +151,7 @@ async def with_haproxy(upstream: str, up_port: int, args) -> dict:
 
 async def main_async(args) -> int:
     up_port, r_port = free_port(), free_port()
-    up = spawn("--child", "stub", "--port", str(up_port), "--events", str(args.events))
+    up = spawn("--child", "stub", "--port", str(up_port), "--events", str(args.events), "--gap", str(args.gap))
     upstream = f"http://127.0.0.1:{up_port}"
     router = spawn("--child", "router", "--port", str(r_port), "--upstream", upstream, "--loop", args.loop,
                    profile=args.profile)
@@ -155,10 +164,15 @@ async def main_async(args) -> int:
                         break
                 await asyncio.sleep(0.05)
         pid = router.pid if args.profile is None else int(subprocess.check_output(["pgrep", "-P", str(router.pid)]))
-        res = {"router": await measure(upstream, proxied, args.n, pid, args.events)}
+        res = {"router": await measure(upstream, proxied, args.n, pid, args.events, args.kinds)}
+        if args.idle:  # the router with nothing to serve: its probes and timers alone
+            c0 = cpu_s(pid)
+            await asyncio.sleep(args.idle)
+            res["router"]["idle"] = {"cpu_ms_per_s": round((cpu_s(pid) - c0) * 1e3 / args.idle, 1)}
         if args.haproxy:
             res["haproxy"] = await with_haproxy(upstream, up_port, args)
-        print(f"# router_micro n={args.n} loop={args.loop} events={args.events} load average {os.getloadavg()[0]:.2f}")
+        print(f"# router_micro n={args.n} loop={args.loop} events={args.events} gap={args.gap} "
+              f"load average {os.getloadavg()[0]:.2f}")
         for who, kinds in res.items():
             for kind, r in kinds.items():
                 print(f"{who:<8} {kind:<12}", json.dumps(r))
@@ -176,6 +190,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-n", type=int, default=2000, help="requests per kind, each way")
     p.add_argument("--events", type=int, default=16, help="SSE events per streamed answer")
+    p.add_argument("--idle", type=float, default=0.0, metavar="S",
+                   help="then S seconds idle: the router's CPU per second with no request (probes, timers)")
+    p.add_argument("--gap", type=float, default=0.0, help="seconds between the stub's SSE events")
+    p.add_argument("--kinds", action="append", choices=("completion", "stream", "models"),
+                   help="only these kinds (repeatable; default all)")
     p.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"))
     p.add_argument("--haproxy", action="store_true", help="also through HAProxy, in front of the same stub")
     p.add_argument("--profile", type=Path, help="py-spy the router; raw stacks into this file")
@@ -188,7 +207,7 @@ def main() -> int:
         from aiohttp import web
         from failover_common.proc import die_with_parent
         die_with_parent(signal.SIGTERM)
-        web.run_app(stub_app(args.events), host="127.0.0.1", port=args.port, print=lambda *_: print("ready", flush=True),
+        web.run_app(stub_app(args.events, args.gap), host="127.0.0.1", port=args.port, print=lambda *_: print("ready", flush=True),
                     access_log=None)
         return 0
     if args.child == "router":

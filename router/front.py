@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from email.utils import formatdate
-from http import HTTPStatus
 
 import httptools
 import structlog
 from aiohttp import web
-from multidict import CIMultiDict
 
+from router.front_answer import FastRequest, FastStream, http_date
 from router.proxy import ANSWERED, FORWARD_TAIL, REQUEST_DROP_B
 
 log = structlog.get_logger(__name__)
@@ -40,17 +38,6 @@ BODY_WAIT = 0.25  # a body not all here this long after its headers: aiohttp's p
 MAX_HEAD = 16 * 1024  # no end of headers within this: aiohttp's path (its 431/400)
 KEEPALIVE = 75.0  # an idle connection is closed after this (aiohttp's default)
 _REFUSED = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
-_date = ["", 0]
-_REASONS = {s.value: s.phrase for s in HTTPStatus}
-
-
-def _http_date() -> str:
-    now = int(time.time())
-    if _date[1] != now:
-        _date[0], _date[1] = formatdate(now, usegmt=True), now
-    return _date[0]
-
-
 class Handover(Exception):
     """This request is not a plain one: aiohttp takes the connection."""
 
@@ -84,70 +71,6 @@ class _Head:
 
     def on_headers_complete(self) -> None:
         self.done = True
-
-
-class FastRequest:
-    """What the proxy reads of a request (as aiohttp's web.Request offers it), plus ``forward``
-    (the header lines that go upstream, as bytes) and ``answer`` (the response, written now)."""
-
-    __slots__ = ("method", "path", "raw_headers", "forward", "conn")
-
-    def __init__(self, method: str, path: str, raw_headers: list[tuple[bytes, bytes]], forward: bytes,
-                 conn: "Front") -> None:
-        self.method, self.path, self.raw_headers, self.forward, self.conn = method, path, raw_headers, forward, conn
-
-    @property
-    def headers(self) -> CIMultiDict:
-        return CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw_headers)
-
-    @property
-    def raw_path(self) -> str:
-        return self.path
-
-    def answer(self, status: int, headers: list[tuple[bytes, bytes]], instance: str, body: bytes) -> None:
-        """Write a whole response now (the proxy's bookkeeping comes after it); ``headers`` are the
-        engine's end-to-end ones. A client already gone is not an error here: its task ends."""
-        conn = self.conn
-        conn.started = True
-        if conn.closed or conn.transport.is_closing():
-            conn.keep_alive = False
-            return
-        lines = b"".join(b"%b: %b\r\n" % kv for kv in headers)
-        close = b"" if conn.keep_alive else b"Connection: close\r\n"
-        conn.transport.write(b"HTTP/1.1 %d %b\r\n%bX-Failover-Instance: %b\r\nContent-Length: %d\r\nDate: %b\r\n%b\r\n%b"
-                             % (status, _REASONS.get(status, "Unknown").encode(), lines, instance.encode("latin-1"),
-                                len(body), _http_date().encode(), close, body))
-
-    def open_stream(self, headers: dict) -> "FastStream":
-        """Start a chunked 200 (router/stream.py's SSE answer)."""
-        return FastStream(self.conn, headers)
-
-
-class FastStream:
-    """A chunked response on a Front connection: ``write``/``write_eof`` as web.StreamResponse's."""
-
-    __slots__ = ("conn", "eof")
-
-    def __init__(self, conn: "Front", headers: dict) -> None:
-        self.conn, self.eof = conn, False
-        lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        close = "" if conn.keep_alive else "Connection: close\r\n"
-        conn.send(f"HTTP/1.1 200 OK\r\n{lines}Date: {_http_date()}\r\nTransfer-Encoding: chunked\r\n"
-                  f"{close}\r\n".encode("latin-1"))
-        conn.started = True
-
-    async def write(self, data: bytes) -> None:
-        if data:
-            conn = self.conn
-            conn.send(b"%x\r\n%b\r\n" % (len(data), data))
-            if conn._paused_writing:  # only then is there anything to wait for (send raised if closed)
-                await conn.drain()
-
-    async def write_eof(self) -> None:
-        if not self.eof:
-            self.eof = True
-            self.conn.send(b"0\r\n\r\n")
-            await self.conn.drain()
 
 
 class Front(asyncio.Protocol):
@@ -332,7 +255,7 @@ class Front(asyncio.Protocol):
         lines = "".join(f"{k}: {v}\r\n" for k, v in resp.headers.items() if k != "Content-Length")
         close = "" if self.keep_alive else "Connection: close\r\n"
         self.transport.write(f"HTTP/1.1 {resp.status} {resp.reason}\r\n{lines}Content-Length: {len(body)}\r\n"
-                             f"Date: {_http_date()}\r\n{close}\r\n".encode("latin-1") + body)
+                             f"Date: {http_date()}\r\n{close}\r\n".encode("latin-1") + body)
 
     def _handover(self) -> None:
         """aiohttp's protocol takes this connection, with the bytes not yet served."""

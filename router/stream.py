@@ -42,6 +42,10 @@ class ClientGone(Exception):
     """The client went away while we wrote to it; nothing to retry, nothing to report."""
 
 
+class _Stop(Exception):
+    """StreamRelay._on_chunk: hand back to pump."""
+
+
 class StreamRelay:
     def __init__(self, payload: dict, request: web.Request, adapter=None) -> None:
         self.payload = payload
@@ -60,6 +64,9 @@ class StreamRelay:
         self.done = False  # [DONE] forwarded
         self.response: web.StreamResponse | None = None
         self.first_byte_at: float | None = None  # monotonic, for the latency histogram
+        # the attempt being pumped: (instance, attempt, mark_ok, first_ok, content), and its read state
+        self._att: tuple | None = None
+        self._buf, self._seen, self._first, self._exc = b"", [], True, None
 
     @property
     def started(self) -> bool:
@@ -81,18 +88,29 @@ class StreamRelay:
 
     async def _start(self, instance: str) -> None:
         """Send the client our 200 and SSE headers: only once a valid first event is in hand."""
-        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Failover-Instance": instance}
-        opener = getattr(self.request, "open_stream", None)  # router/front.py's lean listener
+        if getattr(self.request, "open_stream", None) is not None:  # router/front.py's lean listener
+            self._open(instance)
+            return
+        resp = web.StreamResponse(status=200, headers=self._headers(instance))
         try:
-            if opener is not None:
-                resp = opener(headers)
-            else:
-                resp = web.StreamResponse(status=200, headers=headers)
-                await resp.prepare(self.request)
+            await resp.prepare(self.request)
         except ConnectionError as exc:
             raise ClientGone() from exc
         self.response = resp
         self.first_byte_at = time.monotonic()
+
+    def _open(self, instance: str) -> None:
+        """``_start`` on the lean listener, where it needs no await."""
+        try:
+            resp = self.request.open_stream(self._headers(instance))
+        except ConnectionError as exc:
+            raise ClientGone() from exc
+        self.response = resp
+        self.first_byte_at = time.monotonic()
+
+    @staticmethod
+    def _headers(instance: str) -> dict:
+        return {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Failover-Instance": instance}
 
     async def write(self, data: bytes) -> None:
         assert self.response is not None
@@ -128,22 +146,42 @@ class StreamRelay:
         """Relay one upstream attempt until its [DONE] (returns, ``self.done``; the caller then calls
         ``finish``) or its end (BackendFailed reset). ``attempt`` (backend.Attempt) is disarmed
         around each client write and its stall watchdog fed per read; ``mark_ok(now)`` runs per
-        write (a timestamp), ``first_ok()`` once, after this attempt's first write."""
-        buf = b""
-        first = True
+        write (a timestamp), ``first_ok()`` once, after this attempt's first write.
+
+        On router/front.py's listener with router/upstream.py's response (``content.sink``), each
+        upstream read is relayed in the connection's own callback (``_on_chunk``: scan, client
+        write, record, all synchronous), not by waking this coroutine: it waits only for what the
+        callback cannot do (the end, an error, a client that is not reading)."""
+        self._att = (instance, attempt, mark_ok, first_ok, content)
+        self._buf, self._first, self._exc = b"", True, None
+        sink = (hasattr(content, "sink") and getattr(self.request, "open_stream", None) is not None)
         while True:
+            if sink and not content._chunks and not content.complete and content.error is None:
+                content.sink = self._on_chunk
+                try:
+                    while content.sink is not None and not content.complete and content.error is None:
+                        await content._wait()
+                finally:
+                    content.sink = None
+                exc, self._exc = self._exc, None
+                if exc is not None:
+                    raise exc
+                if self.done:
+                    return  # still disarmed: finish() must not be cut
+                if not attempt.armed:  # the client stopped reading: wait for it, disarmed as in write()
+                    try:
+                        await self.response.conn.drain()
+                    except ConnectionError as exc:
+                        raise ClientGone() from exc
+                if not attempt.rearm():
+                    kind = "stall" if attempt.stalled else "fenced"
+                    raise BackendFailed(instance, kind, f"aborted: {kind}")
+                continue  # or the response ended / failed: readany says which
             chunk = await content.readany()
             if not chunk:
                 raise BackendFailed(instance, "reset", "stream ended before [DONE]")
             attempt.last = now = time.monotonic()
-            buf = buf + chunk if buf else chunk
-            if b"\r" in chunk:
-                buf = buf.replace(b"\r\n", b"\n")
-            end = buf.rfind(b"\n\n")
-            if end < 0:
-                continue
-            events, buf = buf[:end + 2], buf[end + 2:]
-            out, seen = self._scan(events, instance)
+            out = self._feed(chunk, instance)
             if not out:
                 continue
             if not self.started:
@@ -151,20 +189,70 @@ class StreamRelay:
             attempt.disarm()  # the client write: an abort now is seen at rearm(), after it
             await self.write(out)
             # Only now is it the client's: an abort during the write must not count these tokens as sent.
-            for s in seen:
-                self.tokens += s.ids
-                self.finished = self.finished or s.finished
-                if not s.migratable:
-                    self.can_migrate = False
-            mark_ok(now)
-            if first:
-                first = False
-                first_ok()
+            self._sent(now)
             if self.done:
                 return  # still disarmed: finish() must not be cut
             if not attempt.rearm():
                 kind = "stall" if attempt.stalled else "fenced"
                 raise BackendFailed(instance, kind, f"aborted: {kind}")
+
+    def _on_chunk(self, chunk: bytes) -> None:
+        """``pump``'s work for one upstream read, in router/upstream.py's ``on_body`` callback. No
+        await between the client write and the record of its tokens, so no abort falls between
+        them. Anything the callback cannot finish (the end, an error, a paused client) hands back
+        to ``pump``: ``content.sink = None`` and a wake-up."""
+        instance, attempt, _, _, content = self._att
+        try:
+            if attempt.aborted:  # the guard fired: pump is being cancelled; relay nothing more
+                raise _Stop()
+            attempt.last = now = time.monotonic()
+            out = self._feed(chunk, instance)
+            if not out:
+                return
+            if not self.started:
+                self._open(instance)
+            try:
+                paused = self.response.send(out, self.done)  # [DONE]: the stream's end in the same write
+            except ConnectionError as exc:
+                raise ClientGone() from exc
+            self._sent(now)
+            if self.done or paused:
+                attempt.disarm()  # done: finish() must not be cut; paused: pump drains, then re-arms
+                raise _Stop()
+            return
+        except _Stop:
+            pass
+        except BaseException as exc:  # BackendFailed (garbage), ClientGone: pump raises it
+            self._exc = exc
+        content.sink = None
+        content._wake()
+
+    def _feed(self, chunk: bytes, instance: str) -> bytes:
+        """One upstream read into the event buffer: the bytes to send for the whole events it
+        completed (b"" if none, or only comments), their ``Seen`` kept for ``_sent``."""
+        buf = self._buf + chunk if self._buf else chunk
+        if b"\r" in chunk:
+            buf = buf.replace(b"\r\n", b"\n")
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            self._buf = buf
+            return b""
+        events, self._buf = buf[:end + 2], buf[end + 2:]
+        out, self._seen = self._scan(events, instance)
+        return out
+
+    def _sent(self, now: float) -> None:
+        """The bytes of the last ``_feed`` are the client's: record their tokens."""
+        for s in self._seen:
+            self.tokens += s.ids
+            self.finished = self.finished or s.finished
+            if not s.migratable:
+                self.can_migrate = False
+        _, _, mark_ok, first_ok, _ = self._att
+        mark_ok(now)
+        if self._first:
+            self._first = False
+            first_ok()
 
     def _scan(self, events: bytes, instance: str) -> tuple[bytes, list[Seen]]:
         """The bytes to send for ``events`` (whole events, each ending in a blank line) and what

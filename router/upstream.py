@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl as ssl_mod
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -58,7 +59,7 @@ class Response:
     """One response; also its own ``content`` (``readany``/``at_eof``, as aiohttp's StreamReader)."""
 
     __slots__ = ("status", "content_type", "_chunks", "_size", "complete", "error",
-                 "_waiter", "_conn", "headers_done", "raw_headers", "keep_alive", "delimited")
+                 "_waiter", "_conn", "headers_done", "raw_headers", "keep_alive", "delimited", "sink")
 
     def __init__(self, conn: "_Conn") -> None:
         self._conn = conn
@@ -72,6 +73,10 @@ class Response:
         self.delimited = False  # Content-Length or chunked: the end is known without a close
         self.error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
+        # set by the one reader (router/stream.py's relay): each read's body chunks go to it, joined,
+        # in data_received, without a wake-up; it must not raise, and hands back by setting this
+        # to None and calling _wake()
+        self.sink: Callable[[bytes], None] | None = None
 
     @property
     def headers(self) -> list[tuple[str, str]]:
@@ -147,6 +152,11 @@ class _Conn(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
+            if resp.sink is not None and resp._chunks:  # the relay: all this read's chunks in one call
+                chunks = resp._chunks
+                body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                resp.sink(body)
         except httptools.HttpParserUpgrade:
             self._fail(ProtocolError("the engine upgraded the connection"))
         except httptools.HttpParserError as exc:
@@ -198,6 +208,8 @@ class _Conn(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         resp = self.resp
         resp._chunks.append(body)
+        if resp.sink is not None:  # the relay takes them after the parse (data_received): no wake-up
+            return
         resp._size += len(body)
         if resp._size > HIGH_WATER and not self.paused:
             self.paused = True

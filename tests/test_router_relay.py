@@ -121,3 +121,63 @@ def test_the_event_loop_is_uvloop_when_installed_and_asyncio_on_request():
     assert evloop.name("auto") == ("uvloop" if has_uvloop else "asyncio")
     with pytest.raises(ValueError, match="event loop must be one of"):
         evloop.factory("trio")
+
+
+def big_stream_app(events: int, size: int, progress: dict):
+    """An engine stand-in whose stream is far larger than the sockets' buffers: ``events`` events of
+    ``size`` bytes of text each, ids on every choice; ``progress["sent"]`` counts its writes."""
+    import json
+
+    from aiohttp import web
+
+    from router_helpers import _ready
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        out = bytearray()
+        for i in range(events):
+            ev = {"id": "cmpl-big", "object": "text_completion", "created": 1, "model": "tiny",
+                  "choices": [{"index": 0, "text": "x" * size, "token_ids": [i],
+                               "finish_reason": "length" if i == events - 1 else None}]}
+            data = b"data: " + json.dumps(ev).encode() + b"\n\n"
+            out += data
+            await resp.write(data)
+            progress["sent"] = i + 1
+        out += b"data: [DONE]\n\n"
+        await resp.write(b"data: [DONE]\n\n")
+        progress["bytes"] = bytes(out)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.add_routes([web.get("/ready", _ready), web.post("/v1/completions", completions)])
+    return app
+
+
+@pytest.mark.asyncio
+async def test_a_client_that_stops_reading_holds_the_engine_back_and_then_gets_every_byte():
+    """Backpressure through the relay: while the client reads nothing, the router stops reading the
+    engine (which then cannot write on); once it reads, it gets the engine's bytes exactly."""
+    from router_helpers import serve_app, wait_for
+
+    events, progress = 4000, {"sent": 0}
+    async with serve_app(big_stream_app(events, 4000, progress), free_port()) as url:
+        async with running_router(tolerant(), primary=url) as router:
+            await wait_for(lambda: router.services["tiny"].routable() is not None, what="primary ready")
+            reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+            body = b'{"model": "tiny", "prompt": "x", "max_tokens": 4000, "stream": true}'
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+            await writer.drain()
+            await asyncio.sleep(1.0)  # reading nothing
+            held = progress["sent"]
+            assert 0 < held < events, f"the engine wrote {held} of {events} events while the client read nothing"
+            raw = bytearray()
+            while not raw.endswith(b"\r\n0\r\n\r\n"):
+                data = await asyncio.wait_for(reader.read(1 << 20), 10)
+                assert data, "the router closed the connection before the stream's end"
+                raw += data
+            writer.close()
+    got = sse_bodies(bytes(raw))
+    assert got == [progress["bytes"]]
