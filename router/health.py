@@ -26,8 +26,8 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from urllib.parse import urlsplit
 
+import aiohttp
 import structlog
 
 from router import states
@@ -35,7 +35,6 @@ from router.backend import Instance
 from router.config import RouterConfig
 from router.looplag import LoopLag
 from router.stall import StreamSilence
-from router.upstream import Pool, PoolClosed, ProtocolError
 
 log = structlog.get_logger(__name__)
 
@@ -45,7 +44,6 @@ PROBE_TIMEOUT = "timeout"
 # The ``why`` of a hang verdict: every stream silent and a probe unanswered (see the module doc).
 HANG = "hang: streams silent and probe unanswered"
 STALL_TICK = 0.01  # how often the primaries' streams are sampled, seconds
-PROBE_CONNS = 16  # connections per instance for its probes (they overlap while an engine hangs)
 
 # on_result(instance, generation, ok, why, latency_s)
 ResultFn = Callable[[Instance, int, bool, str, float], None]
@@ -61,9 +59,7 @@ class HealthMonitor:
         self._loops: dict[Instance, asyncio.Task] = {}
         self._probes: set[asyncio.Task] = set()
         self._pending: dict[Instance, int] = {}
-        # Probes never share a pool with proxied requests: a busy pool must not delay them. Per
-        # instance: (its url, its probe pool, the url's path), router/upstream.py's client.
-        self._pools: dict[Instance, tuple[str, Pool, str]] = {}
+        self._session: aiohttp.ClientSession | None = None
         self._max_pending = math.ceil(config.probe_timeout / config.probe_interval) + 1
         self._sent: dict[Instance, dict[int, float]] = {}  # probes awaiting an answer: serial -> start
         self._answered: dict[Instance, float] = {}  # send time of the latest probe that got any HTTP answer
@@ -100,9 +96,9 @@ class HealthMonitor:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._loops.clear()
-        pools, self._pools = list(self._pools.values()), {}
-        for _, pool, _ in pools:
-            await pool.close()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def _loop(self, inst: Instance) -> None:
         generation = inst.generation
@@ -118,10 +114,8 @@ class HealthMonitor:
     def _spawn(self, inst: Instance) -> None:
         self._pending[inst] = self._pending.get(inst, 0) + 1
         self._serial += 1
-        self._track(asyncio.get_running_loop().create_task(self._probe(inst, self._serial), name=f"probe-{inst.name}"))
-
-    def _track(self, task: asyncio.Task) -> None:
-        self._probes.add(task)  # stop() cancels and awaits what is left
+        task = asyncio.get_running_loop().create_task(self._probe(inst, self._serial), name=f"probe-{inst.name}")
+        self._probes.add(task)
         task.add_done_callback(self._probes.discard)
 
     async def _probe(self, inst: Instance, serial: int) -> None:
@@ -131,15 +125,14 @@ class HealthMonitor:
         ok, why = False, ""
         try:
             async with asyncio.timeout(self.config.probe_timeout):
-                _, pool, base = self._pool(inst)
-                async with pool.request("GET", base + inst.probe_path, b"", None) as resp:
+                async with self._client().get(inst.url + inst.probe_path) as resp:
                     # its HTTP side lived after t0, whatever it says
                     self._answered[inst] = max(self._answered.get(inst, 0.0), t0)
                     await resp.read()
                     ok, why = resp.status == 200, f"status {resp.status}"
         except TimeoutError:
             why = PROBE_TIMEOUT
-        except (OSError, ProtocolError, PoolClosed) as exc:  # refused, reset, not HTTP, stopping
+        except (aiohttp.ClientError, OSError) as exc:
             why = f"{type(exc).__name__}: {exc}"
         finally:
             self._pending[inst] -= 1
@@ -195,11 +188,10 @@ class HealthMonitor:
                     probe_unanswered_ms=round((now - probe_t0) * 1e3, 1), loop_lag_ms=round(lag * 1e3, 1))
         self.on_result(inst, inst.generation, False, HANG, now - probe_t0)
 
-    def _pool(self, inst: Instance) -> tuple[str, Pool, str]:
-        entry = self._pools.get(inst)
-        if entry is None or entry[0] != inst.url:
-            if entry is not None:  # re-registered at a new url: the old engine's connections go
-                self._track(asyncio.get_running_loop().create_task(entry[1].close()))
-            entry = self._pools[inst] = (inst.url, Pool(inst.url, PROBE_CONNS, self.config.probe_timeout),
-                                         urlsplit(inst.url).path)
-        return entry
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            # Probes never share a pool with proxied requests: a busy pool must not delay them.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.probe_timeout))
+        return self._session
