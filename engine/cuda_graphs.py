@@ -94,7 +94,7 @@ class DecodeGraphs:
         views of buffers the next step overwrites. Rows of one sequence share its table object."""
         n = len(tokens)
         bucket = self.bucket(n)
-        self._load(tokens, positions, block_tables, bucket, sample if bucket > self.max_batch else None)
+        self._load(tokens, positions, block_tables, bucket, sample)
         if bucket in self.graphs:
             graph, logits, greedy = self.graphs[bucket]
             graph.replay()
@@ -102,9 +102,9 @@ class DecodeGraphs:
             logits, greedy = self._forward(bucket)
         if sample is None:
             return logits[:n], greedy[:n]
-        if bucket > self.max_batch:
+        if bucket > self.max_batch:  # the graph took the sampled rows' logits itself
             return logits[:len(sample)], greedy[:len(sample)]
-        rows = torch.tensor(sample, dtype=torch.long).to(self.device, non_blocking=True)
+        rows = self.sampled[:len(sample)]  # sent with the step's inputs
         return logits.index_select(0, rows), greedy.index_select(0, rows)
 
     def _load(self, tokens, positions, block_tables, bucket: int, sample) -> None:
