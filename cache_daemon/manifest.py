@@ -7,6 +7,7 @@ not one per tensor. Metadata a transform needs (block size, scale names) travels
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -63,19 +64,53 @@ def align(n: int, to: int = ALIGN) -> int:
     return (n + to - 1) // to * to
 
 
-def plan(specs, *, arena: int = 0) -> tuple[list[TensorEntry], int]:
-    """Pack ``specs`` (objects with name, dtype, shape, attrs) back to back, each ALIGN-aligned.
+# Projections an engine may run as one GEMM each: placed back to back, in this order, so a view of
+# the first member that spans all of them is their concatenation along the output rows (no copy).
+_FUSABLE = re.compile(r"^(.*\.)(?:self_attn\.(q|k|v)|mlp\.(gate|up))_proj\.(weight|bias)$")
+_MEMBER = {"q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}
 
-    Returns the entries and the bytes the arena needs (at least 1).
+
+def packing_order(names: list[str]) -> list[int]:
+    """Indices of ``names`` in the order they are placed: each layer's q/k/v projections together
+    (q, k, v), and its gate/up projections together (gate, up), at the place of the group's first
+    member; everything else where it is (the checkpoint's file order)."""
+    groups: dict[tuple, list[tuple[int, int]]] = {}
+    keys = []
+    for i, name in enumerate(names):
+        m = _FUSABLE.match(name)
+        key = None if m is None else (m.group(1), "attn" if m.group(2) else "mlp", m.group(4))
+        keys.append(key)
+        if key is not None:
+            groups.setdefault(key, []).append((_MEMBER[m.group(2) or m.group(3)], i))
+    order, placed = [], set()
+    for i, key in enumerate(keys):
+        if key is None:
+            order.append(i)
+        elif key not in placed:
+            placed.add(key)
+            order.extend(j for _, j in sorted(groups[key]))
+    return order
+
+
+def plan(specs, *, arena: int = 0) -> tuple[list[TensorEntry], int]:
+    """Pack ``specs`` (objects with name, dtype, shape, attrs), each ALIGN-aligned, in
+    :func:`packing_order` (fusable projections adjacent; with sizes that are multiples of ALIGN,
+    as every real model's are, with no padding between them).
+
+    Returns the entries, in the order of ``specs`` (the loader fills them in that order), and the
+    bytes the arena needs (at least 1).
     """
-    entries, offset = [], 0
-    for s in specs:
+    specs = list(specs)
+    entries: list[TensorEntry | None] = [None] * len(specs)
+    offset = 0
+    for i in packing_order([s.name for s in specs]):
+        s = specs[i]
         count = 1
         for n in s.shape:
             count *= n
         nbytes = count * ITEMSIZE[s.dtype]
-        entries.append(TensorEntry(s.name, s.dtype, tuple(s.shape), contiguous_stride(tuple(s.shape)),
-                                   arena, offset, nbytes, dict(s.attrs)))
+        entries[i] = TensorEntry(s.name, s.dtype, tuple(s.shape), contiguous_stride(tuple(s.shape)),
+                                 arena, offset, nbytes, dict(s.attrs))
         offset = align(offset + nbytes)
     return entries, max(offset, 1)
 

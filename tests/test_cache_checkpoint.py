@@ -84,9 +84,25 @@ def test_fp8_block_in_load_shards_has_manifest_attrs(tiny_model):
 def test_plan_aligns_every_tensor(tiny_model):
     specs, _ = rank_specs(open_checkpoint(tiny_model), dtype="float32", tp_size=1, tp_rank=0)
     entries, size = plan(specs)
+    assert [e.name for e in entries] == [s.name for s in specs]  # the loader fills them in this order
     assert all(e.offset % ALIGN == 0 for e in entries)
-    assert all(a.offset + a.nbytes <= b.offset for a, b in zip(entries, entries[1:]))
-    assert size >= entries[-1].offset + entries[-1].nbytes
+    placed = sorted(entries, key=lambda e: e.offset)
+    assert all(a.offset + a.nbytes <= b.offset for a, b in zip(placed, placed[1:]))
+    assert size >= placed[-1].offset + placed[-1].nbytes
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_plan_puts_each_layers_fusable_projections_back_to_back(tiny_model, tp_rank):
+    specs, _ = rank_specs(open_checkpoint(tiny_model), dtype="bfloat16", tp_size=2, tp_rank=tp_rank)
+    at = {e.name: e for e in plan(specs)[0]}
+    layers = {n.split(".")[2] for n in at if n.startswith("model.layers.")}
+    assert layers
+    for i in layers:
+        p = f"model.layers.{i}."
+        for group in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+            members = [at[p + m + ".weight"] for m in group]
+            for a, b in zip(members, members[1:]):
+                assert b.offset == a.offset + a.nbytes, (a.name, b.name)
 
 
 def test_fingerprint_diff_names_each_changed_field(tiny_model):
