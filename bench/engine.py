@@ -54,6 +54,9 @@ def parse_args(argv):
     p.add_argument("--ttft-batch", type=int, default=8, help="prompts together in the second TTFT figure")
     p.add_argument("--kv-gib", type=int, default=16, help="KV pool of the in-process engine")
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    p.add_argument("--separate-projections", action="store_true",
+                   help="one GEMM per q/k/v and gate/up projection (weights copied one by one), to compare "
+                        "with the fused default (engine.fusion)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--skip-ready", action="store_true")
     p.add_argument("--skip-decode", action="store_true")

@@ -64,8 +64,12 @@ def bench_decode(model, args) -> dict:
                        max_batch=max(max(batches), args.ttft_batch), kv_memory=args.kv_gib << 30,
                        max_model_len=max_len, cuda_graphs=not args.no_graphs)
     weights = load_shards(model, dtype=dtype)
-    if args.device == "cuda":
+    if args.device == "cuda" and args.separate_projections:
         weights = {k: v.cuda() for k, v in weights.items()}
+    elif args.device == "cuda":  # as the engine's --weights disk (and a mapped engine's arena) lay them out
+        from engine.fusion import pack_onto
+
+        weights = pack_onto(weights, torch.device("cuda"))
     weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     # a step reads every weight but the embedding table (one row per token), unless it is tied to lm_head
     read_bytes = weight_bytes - (0 if "lm_head.weight" not in weights else
@@ -120,7 +124,7 @@ def bench_decode(model, args) -> dict:
         return took
 
     results: dict = {"graphs_s": graphs_s, "graph_buckets": runner.graphs_captured, "weight_bytes": weight_bytes,
-                     "read_bytes": read_bytes,
+                     "read_bytes": read_bytes, "fused": runner.model.model.layers[0].mlp.gate_up is not None,
                      "ttft": {}}
     for b in (1, args.ttft_batch):
         ttft(b)  # warm this shape
@@ -190,8 +194,9 @@ def print_decode(results: dict, args) -> None:
         print(f"copy bandwidth (device to device, read + write): {bw / 1e12:.2f} TB/s; weights "
               f"{results['weight_bytes'] / (1 << 30):.2f} GiB, of which a step reads "
               f"{results['read_bytes'] / (1 << 30):.2f} GiB (all but the embedding table) + each row's KV")
+    projections = "fused q/k/v and gate/up GEMMs" if results["fused"] else "one GEMM per projection"
     print(f"decode tokens/s (prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, prefill excluded, "
-          f"median of 3)")
+          f"median of 3; {projections})")
     for b, row in results["decode"].items():
         line = f"  batch {b:>3}: engine {row['engine']:9.1f}"
         if "transformers" in row:

@@ -16,6 +16,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.kv_cache import AttentionBatch, KVPool
 from engine.fused import silu_mul
+from engine.fusion import spanning_view
 from engine.layers import Linear, RMSNorm, RopeAt, Rotary, RowParallelLinear
 
 
@@ -32,12 +33,32 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (weight, bias): fuse()
+
+    def fuse(self) -> bool:
+        """Run q/k/v as one GEMM when their weights lie back to back (``engine.fusion``)."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        weight = None if self.q_proj.fp8 else spanning_view([p.weight for p in projections])
+        if weight is None:
+            return False
+        bias = None
+        if self.q_proj.bias is not None:
+            biases = [p.bias for p in projections]
+            bias = spanning_view(biases)
+            bias = torch.cat(biases) if bias is None else bias
+        self.qkv = (weight, bias)
+        return True
 
     def forward(self, x, rope: RopeAt, layer: int, kv: KVPool, batch: AttentionBatch) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        if self.qkv is not None:
+            nq, nkv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            q, k, v = F.linear(x, *self.qkv).split((nq, nkv, nkv), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.heads, self.head_dim)
+        k = k.view(b, t, self.kv_heads, self.head_dim)
+        v = v.view(b, t, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q), rope(k)
@@ -53,8 +74,18 @@ class MLP(nn.Module):
         self.gate_proj = Linear(d, i, False, fp8)
         self.up_proj = Linear(d, i, False, fp8)
         self.down_proj = RowParallelLinear(i, d, False, fp8, tp)
+        self.gate_up: torch.Tensor | None = None  # fuse()
+
+    def fuse(self) -> bool:
+        """Run gate/up as one GEMM when their weights lie back to back (``engine.fusion``)."""
+        if not self.gate_proj.fp8:
+            self.gate_up = spanning_view([self.gate_proj.weight, self.up_proj.weight])
+        return self.gate_up is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(silu_mul(gate, up))
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -116,6 +147,7 @@ class CausalLM(nn.Module):
         """Build on the meta device, then make every parameter the tensor of ``weights`` (no copy)."""
         model = cls.skeleton(cfg, tp, fp8)
         model.assign(weights)
+        model.fuse()
         model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_len, device)
         return model.eval()
 
@@ -130,6 +162,12 @@ class CausalLM(nn.Module):
             raise ValueError(f"weights do not match the {self.cfg.arch} config: missing {sorted(missing)[:5]}, "
                              f"unexpected {sorted(unexpected)[:5]}")
         self.load_state_dict(weights, strict=True, assign=True)
+
+    def fuse(self) -> tuple[int, int]:
+        """Fuse every layer's projections whose weights allow it (``engine.fusion``); returns how many
+        layers' q/k/v and gate/up now run as one GEMM each."""
+        layers = self.model.layers
+        return (sum(layer.self_attn.fuse() for layer in layers), sum(layer.mlp.fuse() for layer in layers))
 
     def forward(self, tokens: torch.Tensor, kv: KVPool, batch: AttentionBatch) -> torch.Tensor:
         # tokens [B, T] -> hidden [B, T, hidden]

@@ -58,6 +58,7 @@ class ModelRunner:
         model, had_skeleton = prepared.skeleton(cfg.model, model_cfg, cfg.tp, cfg.transform == "fp8-block")
         t_skeleton = time.perf_counter()
         model.assign(weights)
+        fused_layers = model.fuse()
         t_assign = time.perf_counter()
         model.rotary = Rotary(model_cfg.head_dim, model_cfg.rope_theta, model_cfg.rope_scaling, self.max_len,
                               self.device)
@@ -79,7 +80,7 @@ class ModelRunner:
                  chunks=len(self.kv.chunks), max_len=self.max_len, bytes=self.kv.nbytes,
                  model_ms=_ms(t0, t_model), skeleton_ms=_ms(t0, t_skeleton), assign_ms=_ms(t_skeleton, t_assign),
                  rope_ms=_ms(t_assign, t_model), kv_ms=_ms(t_model, t_kv), buffers_ms=_ms(t_kv, time.perf_counter()),
-                 prepared_model=had_skeleton)
+                 prepared_model=had_skeleton, fused_qkv_layers=fused_layers[0], fused_gate_up_layers=fused_layers[1])
 
     @property
     def graphs_pending(self) -> bool:

@@ -103,8 +103,10 @@ def _from_disk(cfg: EngineConfig) -> dict[str, torch.Tensor]:
     tensors = load_shards(Path(cfg.model), dtype=_torch_dtype(cfg.dtype), tp_size=cfg.tp,
                           tp_rank=cfg.tp_rank, transform=cfg.transform)
     if cfg.device == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-        tensors = {name: t.to(device) for name, t in tensors.items()}
+        from engine.fusion import pack_onto
+
+        # each layer's q/k/v (and gate/up) in one allocation, as the daemon's arena lays them out
+        tensors = pack_onto(tensors, torch.device("cuda", torch.cuda.current_device()))
     return tensors
 
 
