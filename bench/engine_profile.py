@@ -52,7 +52,10 @@ def build(a, rows: list):
     torch.cuda.init()
     torch.empty(1, device="cuda")
     stage(rows, "CUDA context")
-    weights = {k: v.cuda() for k, v in load_shards(a.model, dtype=getattr(torch, a.dtype)).items()}
+    from engine.fusion import pack_onto
+
+    # as the engine's --weights disk lays them out: each layer's q/k/v and gate/up in one allocation
+    weights = pack_onto(load_shards(a.model, dtype=getattr(torch, a.dtype)), torch.device("cuda"))
     stage(rows, "weights on the device")
     cfg = EngineConfig(model=a.model, weights="disk", device="cuda", dtype=a.dtype, max_batch=a.max_batch,
                        kv_memory=int(a.kv_gib * 2**30), max_model_len=a.prompt_len + a.context + 16)
