@@ -192,18 +192,24 @@ class Proxy:
         session = inst.session(self.config.connect_timeout)
         attempt = Attempt()  # Instance.abort_inflight fires its guard when inst is fenced
         inst.attempts.add(attempt)
+        answer = getattr(request, "answer", None)  # router/front.py: the client's bytes first
+        now = AnswerNow(answer, request.path, inst.name, attempt) if answer is not None and relay is None else None
         try:
             with attempt.guard:
-                async with session.request(request.method, target, headers, body) as up:
-                    if up.status in RETRY_STATUS:
+                async with session.request(request.method, target, headers, body, now) as up:
+                    if now is not None and now.sent:  # already answered, in the connection's callback
+                        pass
+                    elif up.status in RETRY_STATUS:
                         raise BackendFailed(inst.name, "unavailable", f"answered {up.status}")
-                    if relay is not None and up.status == 200 and up.content_type == "text/event-stream":
+                    elif relay is not None and up.status == 200 and up.content_type == "text/event-stream":
                         return await self._relay(service, inst, up, relay, attempt, t0, recovery)
                     data = await up.read()
-                    if relay is not None and relay.started:
+                    if now is not None and now.sent:
+                        pass
+                    elif relay is not None and relay.started:
                         raise BackendFailed(inst.name, "rejected",
                                             f"resumed stream answered {up.status}: {data[:200]!r}")
-                    if up.status == 200 and request.path in MIGRATABLE_PATHS and not _is_json_object(data):
+                    elif up.status == 200 and request.path in MIGRATABLE_PATHS and not _is_json_object(data):
                         raise BackendFailed(inst.name, "garbage", f"200 with a non-JSON body: {data[:80]!r}")
         except (BackendFailed, ClientGone):
             raise
@@ -229,9 +235,9 @@ class Proxy:
             raise BackendFailed(inst.name, "fenced", str(exc)) from exc
         finally:
             inst.attempts.discard(attempt)
-        answer = getattr(request, "answer", None)  # router/front.py: the client's bytes first
         if answer is not None:
-            answer(up.status, [(k, v) for k, v in up.raw_headers if k.lower() not in RESPONSE_DROP_B], inst.name, data)
+            if now is None or not now.sent:
+                answer(up.status, _answer_headers(up), inst.name, data)
             if up.status < 400:
                 self.promoter.note_ok(inst)
             self._count(service, up.status, time.monotonic(), t0)
@@ -300,6 +306,40 @@ class Proxy:
         if child is None:
             child = self._counters[(service, status)] = self.metrics.requests.labels(service, str(status))
         return child
+
+
+class AnswerNow:
+    """A whole answer on router/front.py's listener, written in the upstream connection's callback
+    (``Response.on_done``) once the response is read and passes the checks ``_attempt`` makes
+    (not a retry status; a 200 of a completion path is a JSON object): the client gets its bytes
+    without waiting for the request's task to wake. The attempt is then disarmed, so a fence can no
+    longer turn this answered request into a retry (a second answer). Anything else, and a fenced
+    attempt, is left to the task, as before."""
+
+    __slots__ = ("answer", "path", "instance", "attempt", "sent")
+
+    def __init__(self, answer, path: str, instance: str, attempt: Attempt) -> None:
+        self.answer, self.path, self.instance, self.attempt, self.sent = answer, path, instance, attempt, False
+
+    def __call__(self, up: Response) -> None:
+        attempt = self.attempt
+        if attempt.aborted or up.status in RETRY_STATUS:
+            return
+        data = up.body()
+        if up.status == 200 and self.path in MIGRATABLE_PATHS and not _is_json_object(data):
+            return
+        attempt.disarm()
+        try:
+            self.answer(up.status, _answer_headers(up), self.instance, data)
+        except Exception:  # never into the parser's callback: the task answers instead
+            log.exception("answer_failed", instance=self.instance)
+            attempt.rearm()
+            return
+        self.sent = True
+
+
+def _answer_headers(up: Response) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in up.raw_headers if k.lower() not in RESPONSE_DROP_B]
 
 
 def _parse(body: bytes | bytearray) -> dict | None:
