@@ -2,8 +2,7 @@
 
 A request that has sent no byte to the client is simply re-sent (to whichever instance is primary
 by then); a stream that has is migrated (router/stream.py). Non-streaming responses are read whole
-before the client sees a byte, so they are always retryable. Every failed attempt is reported to
-the promoter, which decides whether the backend is suspect or failed.
+before the client sees a byte, so always retryable. Every failed attempt goes to the promoter.
 """
 
 from __future__ import annotations
@@ -104,12 +103,12 @@ class Proxy:
                     t0: float) -> web.StreamResponse:
         """One request whose path is allowed and whose body is read (aiohttp's ``handle`` above,
         or router/front.py's listener for a plain request)."""
-        payload = _parse(body)
-        service = self.pick(payload.get("model") if payload else None)
+        head = _parse_head(body)  # model and stream only: a whole request's prompt is skipped, not built
+        service = self.pick(head.model if head is not None else None)
         if service is None:
             return self._error(None, 503, "no service is configured", "service_unavailable")
-        relay = (StreamRelay(payload, request, service.adapter)
-                 if payload and payload.get("stream") is True else None)
+        payload = _parse(body) if head is not None and head.stream is True else None
+        relay = StreamRelay(payload, request, service.adapter) if payload else None
         try:
             return await self._serve(request, target, service, body, relay, t0)
         except ClientGone:
@@ -310,11 +309,9 @@ class Proxy:
 
 class AnswerNow:
     """A whole answer on router/front.py's listener, written in the upstream connection's callback
-    (``Response.on_done``) once the response is read and passes the checks ``_attempt`` makes
-    (not a retry status; a 200 of a completion path is a JSON object): the client gets its bytes
-    without waiting for the request's task to wake. The attempt is then disarmed, so a fence can no
-    longer turn this answered request into a retry (a second answer). Anything else, and a fenced
-    attempt, is left to the task, as before."""
+    (``Response.on_done``) once read and past ``_attempt``'s checks (no retry status; a completion's
+    200 is a JSON object), before the task wakes. The attempt is then disarmed: a fence can no longer
+    make it a retry (a second answer). Anything else, and a fenced attempt, is left to the task."""
 
     __slots__ = ("answer", "path", "instance", "attempt", "sent")
 
@@ -340,6 +337,24 @@ class AnswerNow:
 
 def _answer_headers(up: Response) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in up.raw_headers if k.lower() not in RESPONSE_DROP_B]
+
+class _Head(msgspec.Struct):
+    """What the proxy reads of every request body; other fields are skipped unbuilt."""
+    model: object = None
+    stream: object = None
+
+
+_decode_head = msgspec.json.Decoder(_Head).decode
+
+
+def _parse_head(body: bytes | bytearray) -> _Head | None:
+    """``model`` and ``stream`` of a JSON object request, or None (malformed: to the engine as is)."""
+    if not body or body[:1] not in (b"{", b" ", b"\n", b"\t", b"\r"):
+        return None
+    try:
+        return _decode_head(body)
+    except msgspec.DecodeError:  # and ValidationError (not an object)
+        return None
 
 
 def _parse(body: bytes | bytearray) -> dict | None:
