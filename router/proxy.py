@@ -43,8 +43,7 @@ RESPONSE_DROP_B = frozenset(k.encode() for k in RESPONSE_DROP)
 
 
 class Answered(web.StreamResponse):
-    """What ``serve`` returns when router/front.py's listener already has the answer's bytes
-    (written before the bookkeeping that follows them): nothing more to send."""
+    """``serve``'s return when router/front.py's listener already has the answer's bytes."""
 
 
 ANSWERED = Answered()
@@ -192,6 +191,8 @@ class Proxy:
         attempt = Attempt()  # Instance.abort_inflight fires its guard when inst is fenced
         inst.attempts.add(attempt)
         answer = getattr(request, "answer", None)  # router/front.py: the client's bytes first
+        if answer is not None:  # and the task this runs in: no current_task() lookup in the guard
+            attempt.guard.task = request.conn.task
         now = AnswerNow(answer, request.path, inst.name, attempt) if answer is not None and relay is None else None
         try:
             with attempt.guard:
@@ -338,8 +339,7 @@ class AnswerNow:
 def _answer_headers(up: Response) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in up.raw_headers if k.lower() not in RESPONSE_DROP_B]
 
-class _Head(msgspec.Struct):
-    """What the proxy reads of every request body; other fields are skipped unbuilt."""
+class _Head(msgspec.Struct):  # what the proxy reads of every request body; the rest is skipped unbuilt
     model: object = None
     stream: object = None
 
