@@ -32,7 +32,8 @@ class Guard:
         self.fired = self.entered = False
 
     def __enter__(self) -> "Guard":
-        self.task = task = asyncio.current_task()
+        # the task may be given (router/front.py knows its request's; current_task is Python in 3.11)
+        self.task = task = self.task if self.task is not None else asyncio.current_task()
         self.cancelling = task.cancelling()
         self.entered = True
         return self

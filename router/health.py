@@ -8,7 +8,8 @@ timeout + (threshold - 1) x interval, not threshold x (timeout + interval).
 A probe that timed out while the router's own loop stalled (router/looplag.py) is discounted: not
 reported at all, since our lateness, not the engine's, may be what ran the clock out.
 
-Under load a hang is seen sooner (issue 15): every ``STALL_TICK`` the primary's stream relays are
+Under load a hang is seen sooner (issue 15): every tick of the loop-lag timer (router/looplag.py,
+10 ms while a primary has requests in flight, 20 ms otherwise) the primary's stream relays are
 sampled (router/stall.py). When every one of them is silent past its own rhythm, *and* a probe sent
 to it has gone unanswered for ``hang_probe_timeout`` (shorter than ``probe_timeout``: two signals
 agree; at the silence's start one probe is sent at once, not at the next ``probe_interval``), *and*
@@ -43,7 +44,6 @@ log = structlog.get_logger(__name__)
 PROBE_TIMEOUT = "timeout"
 # The ``why`` of a hang verdict: every stream silent and a probe unanswered (see the module doc).
 HANG = "hang: streams silent and probe unanswered"
-STALL_TICK = 0.01  # how often the primaries' streams are sampled, seconds
 
 # on_result(instance, generation, ok, why, latency_s)
 ResultFn = Callable[[Instance, int, bool, str, float], None]
@@ -69,7 +69,6 @@ class HealthMonitor:
         self._asked: dict[Instance, tuple[float, float]] = {}  # (silence start, veto) a probe was sent for
         # when our loop's lag last vetoed a hang verdict: the verdict is judged afresh from then on
         self._vetoed: dict[Instance, float] = {}
-        self._stall_task: asyncio.Task | None = None
 
     def watch(self, inst: Instance) -> None:
         """(Re)start probing ``inst``; the loop ends by itself when the role is not watched.
@@ -82,16 +81,17 @@ class HealthMonitor:
             task.cancel()
         self._loops[inst] = asyncio.get_running_loop().create_task(
             self._loop(inst), name=f"probe-loop-{inst.name}")
-        if self.config.hang_probe_timeout > 0 and (self._stall_task is None or self._stall_task.done()):
-            self._stall_task = asyncio.get_running_loop().create_task(self._stall_loop(), name="stream-stall")
+        if self.config.hang_probe_timeout > 0:
+            self.lag.on_tick = self._stall_tick  # the sampler rides on the loop-lag timer: no task of its own
 
     def confirm(self, inst: Instance) -> None:
         """Probe now (a proxied request just failed on ``inst``)."""
         self._spawn(inst)
 
     async def stop(self) -> None:
-        tasks = [*self._loops.values(), *self._probes, *([self._stall_task] if self._stall_task else [])]
-        self._stall_task = None
+        if self.lag.on_tick == self._stall_tick:
+            self.lag.on_tick = None
+        tasks = [*self._loops.values(), *self._probes]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -151,15 +151,20 @@ class HealthMonitor:
             return
         self.on_result(inst, generation, ok, why, time.monotonic() - t0)
 
-    async def _stall_loop(self) -> None:
-        while self._loops:
-            await asyncio.sleep(STALL_TICK)
-            now = time.monotonic()
-            for inst in list(self._loops):
-                if inst.role == states.PRIMARY and inst.ready and not inst.fenced:
+    def _stall_tick(self, now: float) -> bool:
+        """One sample of the primaries' streams (the loop-lag timer's ``on_tick``); True while a
+        primary has requests in flight (the next tick comes at the fast rhythm)."""
+        busy = False
+        for inst in list(self._loops):
+            if inst.role == states.PRIMARY and inst.ready and not inst.fenced:
+                if inst.attempts:
+                    busy = True
                     self._check_hang(inst, now)
-                else:
-                    self._silence.forget(inst)
+                elif inst in self._silence.tracked:
+                    self._check_hang(inst, now)  # its last streams just ended: let the sampler forget them
+            else:
+                self._silence.forget(inst)
+        return busy
 
     def _check_hang(self, inst: Instance, now: float) -> None:
         silent = self._silence.sample(inst, now)

@@ -2,8 +2,7 @@
 
 A request that has sent no byte to the client is simply re-sent (to whichever instance is primary
 by then); a stream that has is migrated (router/stream.py). Non-streaming responses are read whole
-before the client sees a byte, so they are always retryable. Every failed attempt is reported to
-the promoter, which decides whether the backend is suspect or failed.
+before the client sees a byte, so always retryable. Every failed attempt goes to the promoter.
 """
 
 from __future__ import annotations
@@ -44,8 +43,7 @@ RESPONSE_DROP_B = frozenset(k.encode() for k in RESPONSE_DROP)
 
 
 class Answered(web.StreamResponse):
-    """What ``serve`` returns when router/front.py's listener already has the answer's bytes
-    (written before the bookkeeping that follows them): nothing more to send."""
+    """``serve``'s return when router/front.py's listener already has the answer's bytes."""
 
 
 ANSWERED = Answered()
@@ -104,12 +102,12 @@ class Proxy:
                     t0: float) -> web.StreamResponse:
         """One request whose path is allowed and whose body is read (aiohttp's ``handle`` above,
         or router/front.py's listener for a plain request)."""
-        payload = _parse(body)
-        service = self.pick(payload.get("model") if payload else None)
+        head = _parse_head(body)  # model and stream only: a whole request's prompt is skipped, not built
+        service = self.pick(head.model if head is not None else None)
         if service is None:
             return self._error(None, 503, "no service is configured", "service_unavailable")
-        relay = (StreamRelay(payload, request, service.adapter)
-                 if payload and payload.get("stream") is True else None)
+        payload = _parse(body) if head is not None and head.stream is True else None
+        relay = StreamRelay(payload, request, service.adapter) if payload else None
         try:
             return await self._serve(request, target, service, body, relay, t0)
         except ClientGone:
@@ -192,18 +190,26 @@ class Proxy:
         session = inst.session(self.config.connect_timeout)
         attempt = Attempt()  # Instance.abort_inflight fires its guard when inst is fenced
         inst.attempts.add(attempt)
+        answer = getattr(request, "answer", None)  # router/front.py: the client's bytes first
+        if answer is not None:  # and the task this runs in: no current_task() lookup in the guard
+            attempt.guard.task = request.conn.task
+        now = AnswerNow(answer, request.path, inst.name, attempt) if answer is not None and relay is None else None
         try:
             with attempt.guard:
-                async with session.request(request.method, target, headers, body) as up:
-                    if up.status in RETRY_STATUS:
+                async with session.request(request.method, target, headers, body, now) as up:
+                    if now is not None and now.sent:  # already answered, in the connection's callback
+                        pass
+                    elif up.status in RETRY_STATUS:
                         raise BackendFailed(inst.name, "unavailable", f"answered {up.status}")
-                    if relay is not None and up.status == 200 and up.content_type == "text/event-stream":
+                    elif relay is not None and up.status == 200 and up.content_type == "text/event-stream":
                         return await self._relay(service, inst, up, relay, attempt, t0, recovery)
                     data = await up.read()
-                    if relay is not None and relay.started:
+                    if now is not None and now.sent:
+                        pass
+                    elif relay is not None and relay.started:
                         raise BackendFailed(inst.name, "rejected",
                                             f"resumed stream answered {up.status}: {data[:200]!r}")
-                    if up.status == 200 and request.path in MIGRATABLE_PATHS and not _is_json_object(data):
+                    elif up.status == 200 and request.path in MIGRATABLE_PATHS and not _is_json_object(data):
                         raise BackendFailed(inst.name, "garbage", f"200 with a non-JSON body: {data[:80]!r}")
         except (BackendFailed, ClientGone):
             raise
@@ -229,9 +235,9 @@ class Proxy:
             raise BackendFailed(inst.name, "fenced", str(exc)) from exc
         finally:
             inst.attempts.discard(attempt)
-        answer = getattr(request, "answer", None)  # router/front.py: the client's bytes first
         if answer is not None:
-            answer(up.status, [(k, v) for k, v in up.raw_headers if k.lower() not in RESPONSE_DROP_B], inst.name, data)
+            if now is None or not now.sent:
+                answer(up.status, _answer_headers(up), inst.name, data)
             if up.status < 400:
                 self.promoter.note_ok(inst)
             self._count(service, up.status, time.monotonic(), t0)
@@ -300,6 +306,55 @@ class Proxy:
         if child is None:
             child = self._counters[(service, status)] = self.metrics.requests.labels(service, str(status))
         return child
+
+
+class AnswerNow:
+    """A whole answer on router/front.py's listener, written in the upstream connection's callback
+    (``Response.on_done``) once read and past ``_attempt``'s checks (no retry status; a completion's
+    200 is a JSON object), before the task wakes. The attempt is then disarmed: a fence can no longer
+    make it a retry (a second answer). Anything else, and a fenced attempt, is left to the task."""
+
+    __slots__ = ("answer", "path", "instance", "attempt", "sent")
+
+    def __init__(self, answer, path: str, instance: str, attempt: Attempt) -> None:
+        self.answer, self.path, self.instance, self.attempt, self.sent = answer, path, instance, attempt, False
+
+    def __call__(self, up: Response) -> None:
+        attempt = self.attempt
+        if attempt.aborted or up.status in RETRY_STATUS:
+            return
+        data = up.body()
+        if up.status == 200 and self.path in MIGRATABLE_PATHS and not _is_json_object(data):
+            return
+        attempt.disarm()
+        try:
+            self.answer(up.status, _answer_headers(up), self.instance, data)
+        except Exception:  # never into the parser's callback: the task answers instead
+            log.exception("answer_failed", instance=self.instance)
+            attempt.rearm()
+            return
+        self.sent = True
+
+
+def _answer_headers(up: Response) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in up.raw_headers if k.lower() not in RESPONSE_DROP_B]
+
+class _Head(msgspec.Struct):  # what the proxy reads of every request body; the rest is skipped unbuilt
+    model: object = None
+    stream: object = None
+
+
+_decode_head = msgspec.json.Decoder(_Head).decode
+
+
+def _parse_head(body: bytes | bytearray) -> _Head | None:
+    """``model`` and ``stream`` of a JSON object request, or None (malformed: to the engine as is)."""
+    if not body or body[:1] not in (b"{", b" ", b"\n", b"\t", b"\r"):
+        return None
+    try:
+        return _decode_head(body)
+    except msgspec.DecodeError:  # and ValidationError (not an object)
+        return None
 
 
 def _parse(body: bytes | bytearray) -> dict | None:

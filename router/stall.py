@@ -87,6 +87,11 @@ class StreamSilence:
             self._tracks.pop(inst, None)
         return latest if silent and known else None
 
+    @property
+    def tracked(self) -> dict:
+        """The instances with streams sampled at the last tick."""
+        return self._tracks
+
     def forget(self, inst: Instance) -> None:
         """Not a primary (now): drop its streams and its rhythm (a new role, a new engine)."""
         self._tracks.pop(inst, None)

@@ -1,10 +1,8 @@
 """The router's HTTP/1.1 client to its engines: one keep-alive pool per instance, httptools' parser.
 
-Issue 20: aiohttp's ClientSession cost the router about 0.15 ms of CPU per request here (request
-object, header multidicts, connector, timers, tracing hooks), a third of the latency it added. This
-client does what the router needs and nothing else: a request is one ``transport.write`` of bytes
-built in one join; the response is parsed by httptools (llhttp, the C parser uvicorn uses) in the
-protocol's callbacks; body chunks go straight to the one reader (the relay) or are joined once.
+Issue 20: aiohttp's ClientSession cost about 0.15 ms of CPU per request here. This client does what
+the router needs: a request is one ``transport.write``; the response is parsed by httptools (llhttp)
+in the protocol's callbacks; body chunks go straight to the one reader (the relay) or are joined once.
 
     pool = Pool("http://127.0.0.1:9001", limit=128, connect_timeout=1.0)
     async with pool.request("POST", "/v1/completions", head_lines, body) as up:
@@ -31,35 +29,18 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from router.upstream_errors import ConnectError, ConnectTimeout, PoolClosed, ProtocolError, ResetError
+
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 HIGH_WATER = 1 << 20  # response bytes buffered before the socket is paused (a slow client)
-
-
-class ConnectError(OSError):
-    """The TCP connect failed (refused, unreachable)."""
-
-
-class ConnectTimeout(TimeoutError):
-    """The TCP connect did not complete within the pool's connect timeout."""
-
-
-class ProtocolError(Exception):
-    """The engine's answer is not HTTP/1.1 as we can parse it."""
-
-
-class ResetError(ConnectionResetError):
-    """The connection ended before the response did."""
-
-
-class PoolClosed(RuntimeError):
-    """The pool was closed (its instance fenced or the router stopping)."""
 
 
 class Response:
     """One response; also its own ``content`` (``readany``/``at_eof``, as aiohttp's StreamReader)."""
 
     __slots__ = ("status", "content_type", "_chunks", "_size", "complete", "error",
-                 "_waiter", "_conn", "headers_done", "raw_headers", "keep_alive", "delimited", "sink")
+                 "_waiter", "_conn", "headers_done", "raw_headers", "keep_alive", "delimited", "sink",
+                 "on_done")
 
     def __init__(self, conn: "_Conn") -> None:
         self._conn = conn
@@ -77,6 +58,9 @@ class Response:
         # in data_received, without a wake-up; it must not raise, and hands back by setting this
         # to None and calling _wake()
         self.sink: Callable[[bytes], None] | None = None
+        # called once, in data_received, when the whole response has been read (router/proxy.py
+        # answers a whole response from here, before its task wakes); it must not raise
+        self.on_done: Callable[["Response"], None] | None = None
 
     @property
     def headers(self) -> list[tuple[str, str]]:
@@ -118,14 +102,21 @@ class Response:
         self._size = 0
         return data
 
+    def body(self) -> bytes:
+        """The whole body of a complete response, joined once (``read`` then returns the same)."""
+        chunks = self._chunks
+        if len(chunks) != 1:
+            data = b"".join(chunks)
+            chunks.clear()
+            chunks.append(data)
+        return chunks[0]
+
     async def read(self) -> bytes:
         while not self.complete:
             if self.error is not None:
                 raise self.error
             await self._wait()
-        data = b"".join(self._chunks)
-        self._chunks.clear()
-        return data
+        return self.body()
 
 
 class _Conn(asyncio.Protocol):
@@ -157,6 +148,9 @@ class _Conn(asyncio.Protocol):
                 body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 chunks.clear()
                 resp.sink(body)
+            elif resp.complete and resp.on_done is not None:
+                done, resp.on_done = resp.on_done, None
+                done(resp)
         except httptools.HttpParserUpgrade:
             self._fail(ProtocolError("the engine upgraded the connection"))
         except httptools.HttpParserError as exc:
@@ -250,10 +244,11 @@ class _Request:
     """``async with pool.request(...) as up``: connect (or reuse), send, wait for the headers;
     on exit the connection goes back to the pool if its response was read to the end."""
 
-    __slots__ = ("pool", "method", "data", "conn", "resp")
+    __slots__ = ("pool", "method", "data", "conn", "resp", "on_done")
 
-    def __init__(self, pool: "Pool", method: str, data: bytes) -> None:
-        self.pool, self.method, self.data = pool, method, data
+    def __init__(self, pool: "Pool", method: str, data: bytes,
+                 on_done: Callable[[Response], None] | None = None) -> None:
+        self.pool, self.method, self.data, self.on_done = pool, method, data, on_done
         self.conn: _Conn | None = None
         self.resp: Response | None = None
 
@@ -264,6 +259,7 @@ class _Request:
             conn, reused = await pool._take()
             self.conn = conn
             resp = conn.resp = Response(conn)
+            resp.on_done = self.on_done
             conn.head = self.method == "HEAD"
             try:
                 conn.transport.write(self.data)
@@ -315,14 +311,17 @@ class Pool:
         self._connecting = 0
         self._slot_waiters: collections.deque[asyncio.Future] = collections.deque()
 
-    def request(self, method: str, target: str, head: bytes, body: bytes | bytearray | None) -> _Request:
+    def request(self, method: str, target: str, head: bytes, body: bytes | bytearray | None,
+                on_done: Callable[[Response], None] | None = None) -> _Request:
         """``head``: the request's header lines, latin-1, each ending in CRLF (no Host, no
-        Content-Length). The request is one bytes object, written at once."""
+        Content-Length). The request is one bytes object, written at once. ``on_done``: see
+        ``Response.on_done``."""
         n = len(body) if body else 0
         start = f"{method} {target} HTTP/1.1\r\nHost: {self.host_header}\r\n".encode("latin-1")
         if n or method not in ("GET", "HEAD"):
-            return _Request(self, method, b"%b%bContent-Length: %d\r\n\r\n%b" % (start, head, n, body or b""))
-        return _Request(self, method, b"%b%b\r\n" % (start, head))
+            return _Request(self, method, b"%b%bContent-Length: %d\r\n\r\n%b" % (start, head, n, body or b""),
+                            on_done)
+        return _Request(self, method, b"%b%b\r\n" % (start, head), on_done)
 
     async def _take(self) -> tuple[_Conn, bool]:
         if self.closed:
