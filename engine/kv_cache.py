@@ -36,6 +36,7 @@ from engine.config import KV_BLOCK_SIZE, kv_block_bytes
 log = structlog.get_logger(__name__)
 DEFAULT_BLOCK_SIZE = KV_BLOCK_SIZE
 CHUNKS_PER_ALLOCATION = 4
+MAX_RUNS_FLOOR = 16  # a CPU gather copies run by run while it has at most this many, or a quarter of its blocks
 # (chunk, rows of the step's flat index list or None for all rows in order, ids inside the chunk)
 Part = tuple[int, torch.Tensor | None, torch.Tensor]
 
@@ -61,6 +62,9 @@ class AttentionBatch:
     prefill: bool
     writes: tuple[Part, ...]  # the step's real tokens (rows of the flat [B*T] list) -> slots
     reads: tuple[Part, ...] = ()  # decode: entries of the flat [B, table_blocks] tables -> blocks
+    # CPU: the same flat tables as (chunk, first local id, blocks) runs of consecutive ids, in order
+    # (one copy per run; None when the tables are too fragmented for that to pay, see ``_runs``)
+    runs: tuple[tuple[int, int, int], ...] | None = None
     table_blocks: int = 0  # decode: blocks per row in the gathered K/V
     context_len: int = 0  # decode: longest context in the batch after this step
     mask: torch.Tensor | None = None  # decode: [B, 1, 1, context_len] bool, True where attended
@@ -84,7 +88,7 @@ class KVPool:
         self.fused = fused.available(self.device)
         # CPU: where each layer's gathered K and V go, reused (a fresh tensor per layer cost a fresh
         # mapping of its pages each time: 2-3x the gather and attention themselves at 16 x 512)
-        self._scratch: list[torch.Tensor | None] = [None, None]
+        self._scratch: torch.Tensor | None = None  # flat; K then V, see _gather_buffer
         if self.fused:  # see the module doc: what the kernels address the chunks through
             self.anchor = torch.empty(64, dtype=dtype, device=self.device)
             self.offsets = torch.zeros((2, layers, max_blocks), dtype=torch.long, device=self.device)
@@ -152,7 +156,7 @@ class KVPool:
         nothing and allocates before appending, so an out-of-memory error leaves the pool as it was;
         a shrink frees before it allocates its (smaller) replacement chunk, so it never needs more
         memory than it had."""
-        self._scratch = [None, None]  # sized by the batches seen: a shrunk (standby) pool gives it back
+        self._scratch = None  # sized by the batches seen: a shrunk (standby) pool gives it back
         keep = 0
         while keep < min(len(chunks), len(self.chunks)) and chunks[keep] == self.chunks[keep].shape[2]:
             keep += 1
@@ -197,7 +201,8 @@ class KVPool:
         prefix = {}
         if start:
             width = -(-start // bs)
-            prefix = dict(reads=self._by_chunk(list(tables[0][:width]), None, 1), table_blocks=width,
+            ids = list(tables[0][:width])
+            prefix = dict(reads=self._by_chunk(ids, None, 1), runs=self._runs(ids), table_blocks=width,
                           context_len=start)
         if self.fused:
             padded = [table[p // bs] * bs + p % bs if p < start + n else -1 for table, n in zip(tables, lens)
@@ -210,16 +215,48 @@ class KVPool:
         bs, dev = self.block_size, self.device
         n = max(positions) + 1
         width = -(-n // bs)
-        # pad short tables with their own first block: any real block will do (it is masked), and
-        # staying in the row's chunk keeps the gather to as few chunks as possible
-        flat = [b for t in tables for b in (*t[:width], *(t[0],) * (width - len(t[:width])))]
+        flat = [b for t in tables for b in (*t[:width], *self._pad(t[:width], width))]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         mask = None
         if min(positions) + 1 != n:  # ragged contexts: mask each row's tail
             mask = (torch.arange(n, device=dev) < (pos + 1).unsqueeze(1)).view(len(positions), 1, 1, n)
         return AttentionBatch(pos.unsqueeze(1), False, self._by_chunk(slots, None, bs),
-                              self._by_chunk(flat, None, 1), width, n, mask)
+                              self._by_chunk(flat, None, 1), None if self.fused else self._runs(flat),
+                              width, n, mask)
+
+    def _pad(self, table, width: int) -> tuple[int, ...]:
+        """Blocks that fill a short row up to ``width``: any real block will do (it is masked; every
+        block holds finite values, chunks being zeroed on the gather path). The ids after the row's last
+        block when they lie in its chunk (the gather's run of that block goes on), else its first block
+        (staying in the row's chunk keeps the gather to as few chunks as possible)."""
+        pad, last = width - len(table), table[-1]
+        c = bisect.bisect_right(self.starts, last) - 1
+        if last + pad < self.starts[c] + self.chunks[c].shape[2]:
+            return tuple(range(last + 1, last + 1 + pad))
+        return (table[0],) * pad
+
+    def _runs(self, ids: list[int]) -> tuple[tuple[int, int, int], ...] | None:
+        """``ids`` as runs of consecutive ids inside one chunk: (chunk, first local id, length). None
+        when there are many short runs (a fragmented pool): a copy per run then costs more in calls
+        than the per-chunk index gather (two copies of each block when the ids span chunks)."""
+        if self.fused or not ids:
+            return None
+        runs: list[list[int]] = []
+        end = -1  # the global id after the current run's last, within its chunk
+        for i in ids:
+            if i == end:
+                runs[-1][2] += 1
+                end += 1
+                if end == self.starts[runs[-1][0]] + self.chunks[runs[-1][0]].shape[2]:
+                    end = -1  # a run never crosses into the next chunk
+                continue
+            c = bisect.bisect_right(self.starts, i) - 1
+            runs.append([c, i - self.starts[c], 1])
+            end = i + 1 if i + 1 < self.starts[c] + self.chunks[c].shape[2] else -1
+        if len(runs) > max(MAX_RUNS_FLOOR, len(ids) // 4):
+            return None
+        return tuple(tuple(r) for r in runs)
 
     def _by_chunk(self, ids: list[int], rows: list[int] | None, unit: int) -> tuple[Part, ...]:
         """Split global ``ids`` (blocks for unit 1, slots for unit block_size) by chunk."""
@@ -258,8 +295,14 @@ class KVPool:
                 dst.index_copy_(0, local, tokens if rows is None else tokens.index_select(0, rows))
         if batch.prefill:
             return self._prefill_attention(layer, q, k, v, batch)
-        keys, values = (self._gather(which, layer, batch) for which in (0, 1))
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+        keys, values = self._gather(layer, batch)
+        if t != 1:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+        # one token per row: the G query heads sharing a kv head attend as G queries of that head, so
+        # SDPA runs without its GQA path (which costs ~1.5x at 16 x 512 on CPU); row mask [B, 1, 1, S]
+        g = q.shape[1] // hkv
+        o = F.scaled_dot_product_attention(q.reshape(b, hkv, g, d), keys, values, attn_mask=batch.mask)
+        return o.view(b, hkv * g, 1, d)
 
     def _prefill_attention(self, layer: int, q, k, v, batch: AttentionBatch) -> torch.Tensor:
         """Causal attention of a prefill's fresh q/k/v; a chunk past position 0 (one row) also
@@ -267,37 +310,46 @@ class KVPool:
         if not batch.context_len:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         start, t = batch.context_len, q.shape[2]
-        keys = torch.cat((self._gather(0, layer, batch), k), dim=2)
-        values = torch.cat((self._gather(1, layer, batch), v), dim=2)
+        old_k, old_v = self._gather(layer, batch)
+        keys, values = torch.cat((old_k, k), dim=2), torch.cat((old_v, v), dim=2)
         # query i sits at position start + i and sees keys 0 .. start + i
         mask = torch.arange(start + t, device=q.device) <= start + torch.arange(t, device=q.device).unsqueeze(1)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
-    def _gather_buffer(self, which: int, count: int) -> torch.Tensor:
-        """``count`` blocks to gather K (``which`` 0) or V into: on CPU a view of a buffer kept for
-        the next layer and step (grown when a batch needs more), elsewhere a new tensor (torch's
-        CUDA allocator caches its blocks already)."""
-        shape = (count, self.block_size, self.kv_heads, self.head_dim)
+    def _gather_buffer(self, count: int) -> torch.Tensor:
+        """[2 (k, v), count blocks] to gather into: on CPU a view of a buffer kept for the next layer
+        and step (grown when a batch needs more; zeroed once, so that its unused part is finite),
+        elsewhere a new tensor (torch's CUDA allocator caches its blocks already)."""
+        shape = (2, count, self.block_size, self.kv_heads, self.head_dim)
         if self.device.type != "cpu":
             return torch.empty(shape, dtype=self.dtype, device=self.device)
-        buf = self._scratch[which]
-        if buf is None or buf.shape[0] < count:
-            buf = self._scratch[which] = torch.empty(shape, dtype=self.dtype, device=self.device)
-        return buf[:count]
+        numel = 2 * count * self.block_size * self.kv_heads * self.head_dim
+        if self._scratch is None or self._scratch.numel() < numel:
+            self._scratch = torch.zeros(numel, dtype=self.dtype, device=self.device)
+        return self._scratch[:numel].view(shape)
 
-    def _gather(self, which: int, layer: int, batch: AttentionBatch) -> torch.Tensor:
-        """Each row's blocks as contiguous positions: [B, Hkv, context_len, D]."""
+    def _gather(self, layer: int, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's blocks as contiguous positions: K and V, each [B, Hkv, context_len, D]."""
         parts = batch.reads
-        blocks = self._gather_buffer(which, sum(len(local) for _, _, local in parts))
-        if len(parts) == 1 and parts[0][1] is None:
+        count = sum(len(local) for _, _, local in parts)
+        blocks = self._gather_buffer(count)
+        if batch.runs is not None and len(batch.runs) == 1:
+            c, first, n = batch.runs[0]
+            blocks.copy_(self.chunks[c][:, layer, first:first + n])
+        elif batch.runs is not None:  # one copy of each block, k and v together
+            torch.cat([self.chunks[c][:, layer, first:first + n] for c, first, n in batch.runs], dim=1, out=blocks)
+        elif len(parts) == 1 and parts[0][1] is None:
             c, _, local = parts[0]
-            torch.index_select(self.chunks[c][which, layer], 0, local, out=blocks)
+            for which in (0, 1):
+                torch.index_select(self.chunks[c][which, layer], 0, local, out=blocks[which])
         else:
-            for c, rows, local in parts:
-                blocks.index_copy_(0, rows, self.chunks[c][which, layer].index_select(0, local))
-        seqs = blocks.shape[0] // batch.table_blocks
-        flat = blocks.view(seqs, batch.table_blocks * self.block_size, self.kv_heads, self.head_dim)
-        return flat[:, :batch.context_len].transpose(1, 2)
+            for which in (0, 1):
+                for c, rows, local in parts:
+                    blocks[which].index_copy_(0, rows, self.chunks[c][which, layer].index_select(0, local))
+        seqs = count // batch.table_blocks
+        flat = blocks.view(2, seqs, batch.table_blocks * self.block_size, self.kv_heads, self.head_dim)
+        flat = flat[:, :, :batch.context_len].transpose(2, 3)
+        return flat[0], flat[1]
 
 
 def _split(blocks: int, parts: int = CHUNKS_PER_ALLOCATION) -> tuple[int, ...]:
