@@ -231,8 +231,7 @@ class KVPool:
         block when they lie in its chunk (the gather's run of that block goes on), else its first block
         (staying in the row's chunk keeps the gather to as few chunks as possible)."""
         pad, last = width - len(table), table[-1]
-        c = bisect.bisect_right(self.starts, last) - 1
-        if last + pad < self.starts[c] + self.chunks[c].shape[2]:
+        if last + pad < self._chunk_end(self._chunk_of(last)):
             return tuple(range(last + 1, last + 1 + pad))
         return (table[0],) * pad
 
@@ -248,15 +247,23 @@ class KVPool:
             if i == end:
                 runs[-1][2] += 1
                 end += 1
-                if end == self.starts[runs[-1][0]] + self.chunks[runs[-1][0]].shape[2]:
+                if end == self._chunk_end(runs[-1][0]):
                     end = -1  # a run never crosses into the next chunk
                 continue
-            c = bisect.bisect_right(self.starts, i) - 1
+            c = self._chunk_of(i)
             runs.append([c, i - self.starts[c], 1])
-            end = i + 1 if i + 1 < self.starts[c] + self.chunks[c].shape[2] else -1
+            end = i + 1 if i + 1 < self._chunk_end(c) else -1
         if len(runs) > max(MAX_RUNS_FLOOR, len(ids) // 4):
             return None
         return tuple(tuple(r) for r in runs)
+
+    def _chunk_of(self, block: int) -> int:
+        """The chunk that holds global block id ``block``."""
+        return bisect.bisect_right(self.starts, block) - 1
+
+    def _chunk_end(self, c: int) -> int:
+        """The global block id after chunk ``c``'s last."""
+        return self.starts[c] + self.chunks[c].shape[2]
 
     def _by_chunk(self, ids: list[int], rows: list[int] | None, unit: int) -> tuple[Part, ...]:
         """Split global ``ids`` (blocks for unit 1, slots for unit block_size) by chunk."""
@@ -267,7 +274,7 @@ class KVPool:
             return ((0, t(rows), t(ids)),)
         groups: dict[int, tuple[list[int], list[int]]] = {}
         for n, i in enumerate(ids):
-            c = bisect.bisect_right(self.starts, i // unit) - 1
+            c = self._chunk_of(i // unit)
             where, local = groups.setdefault(c, ([], []))
             where.append(n if rows is None else rows[n])
             local.append(i - self.starts[c] * unit)
