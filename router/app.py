@@ -313,9 +313,13 @@ class Router:
         return web.json_response({"alive": True})
 
     async def _ready(self, request: web.Request) -> web.Response:
+        """200 when every online service has a routable primary. Batch services are listed but do not
+        count: one that is preempted, done or failed must not take the router out of a balancer's
+        rotation (a node with batch services only counts those)."""
         serves = self.cluster.serves if self.cluster is not None else lambda svc: svc.routable() is not None
         ready = {name: serves(svc) for name, svc in self.services.items()}
-        ok = bool(ready) and all(ready.values())
+        counted = [ok for name, ok in ready.items() if not self.launcher.is_batch(name)] or list(ready.values())
+        ok = bool(counted) and all(counted)
         return web.json_response({"ready": ok, "services": ready}, status=200 if ok else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:

@@ -191,7 +191,14 @@ class Node:
             self.wait_ready(ready_timeout)
 
     def wait_ready(self, timeout: float) -> None:
-        wait_until(self._ready, timeout, "the node to serve")
+        try:
+            wait_until(self._ready, timeout, "the node to serve")
+        except AssertionError as e:
+            try:
+                ready = http("GET", self.url + "/ready", timeout=2)
+            except OSError as err:
+                ready = err
+            raise AssertionError(f"{e}; /ready: {ready}; its log ends:\n{self.log()[-3000:]}") from None
         self.token = self.config.token_path.read_text().strip()
 
     def _ready(self) -> bool:

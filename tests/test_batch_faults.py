@@ -23,11 +23,13 @@ def service(name: str, priority: int, **batch) -> dict:
 
 
 @pytest.fixture
-def small_fs(run_dir):
-    """A 64 KiB tmpfs with all but 8 KiB taken by a filler file; unmounted afterwards."""
+def small_fs(procs, run_dir):
+    """A 64 KiB tmpfs with all but 8 KiB taken by a filler file; unmounted afterwards, once every
+    process the test started is gone (an engine still writing there would keep it busy)."""
     with small_tmpfs(run_dir / "small") as mnt:
         (mnt / "filler").write_bytes(b"\0" * (56 << 10))
         yield mnt
+        procs.stop_all()
 
 
 def test_a_full_disk_or_a_corrupt_line_fails_only_that_batch_and_resume_retries_it(procs, tiny_model, run_dir,
@@ -57,6 +59,8 @@ def test_a_full_disk_or_a_corrupt_line_fails_only_that_batch_and_resume_retries_
         data = full_out.read_bytes()
         assert data.endswith(b"\n") and full["done"] == len(read_output(full_out)) < len(full_ids)
         wait_until(lambda: node.slot("full-0")["state"] == "stopped", 30, "the failed batch's engine stopped")
+        code, doc = http("GET", node.url + "/ready")  # a failed batch job leaves the router in rotation
+        assert code == 200 and doc["services"]["chat"] and doc["services"]["full"] is False, doc
         code, doc = http("POST", node.url + "/v1/completions",  # online serving goes on meanwhile
                          {"model": "chat", "prompt": "still here", "max_tokens": 2, "temperature": 0})
         assert code == 200 and doc["choices"], doc
