@@ -28,11 +28,10 @@ import msgspec
 from aiohttp import web
 
 from router.errors import BackendFailed
+from router.forward import MIGRATABLE_PATHS, parse
 from router.resume import BUNDLED, Resume, Seen, inspect_dict
 
 _encode = msgspec.json.Encoder().encode
-
-MIGRATABLE_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 _inspect = inspect_dict  # the dict form, for callers that hold a decoded event
 __all__ = ["MIGRATABLE_PATHS", "ClientGone", "Seen", "StreamRelay"]
@@ -47,13 +46,16 @@ class _Stop(Exception):
 
 
 class StreamRelay:
-    def __init__(self, payload: dict, request: web.Request, adapter=None) -> None:
-        self.payload = payload
+    """``head``: the request's router/forward.py ``Head``; ``raw``: its body. The body's whole dict
+    (``payload``) is decoded only when needed: our engine's streams need it only to migrate."""
+
+    def __init__(self, head, raw: bytes | bytearray, request: web.Request, adapter=None) -> None:
+        self.raw = raw
+        self._payload: dict | None = None
         self.request = request
         # the engine kind's per-stream migration (router/adapters); None: our engine's (router/resume.py)
-        self.resume: Resume = adapter.stream(payload, request.path) if adapter is not None else BUNDLED
-        n = payload.get("n", 1)
-        self.can_migrate = request.path in MIGRATABLE_PATHS and n in (1, None) and not payload.get("echo")
+        self.resume: Resume = adapter.stream(self.payload, request.path) if adapter is not None else BUNDLED
+        self.can_migrate = request.path in MIGRATABLE_PATHS and head.n in (1, None) and not head.echo
         self.why_not = "no token_ids" if adapter is None else "the engine's events cannot be continued exactly"
         if adapter is not None and not self.resume.resumable:
             self.can_migrate, self.why_not = False, self.resume.why_not
@@ -69,6 +71,14 @@ class StreamRelay:
         self._buf, self._seen, self._first, self._exc = b"", [], True, None
 
     @property
+    def payload(self) -> dict:
+        """The request's JSON object (decoded on first use; ``head`` said it is one)."""
+        if self._payload is None:
+            self._payload = parse(self.raw)
+            assert self._payload is not None, "a stream's body decoded as a Head but not as an object"
+        return self._payload
+
+    @property
     def started(self) -> bool:
         return self.response is not None
 
@@ -78,6 +88,8 @@ class StreamRelay:
 
     def first_body(self, raw: bytes | bytearray) -> bytes | bytearray:
         """The first attempt's body: what the engine kind needs added (ours: nothing, same bytes)."""
+        if self.resume is BUNDLED:
+            return raw  # the engine sends token ids unasked: the client's bytes as they are, no decode
         return self.resume.first_body(self.payload, raw)
 
     def upstream(self, target: str, body: bytes | bytearray) -> tuple[str, bytes | bytearray]:
