@@ -136,7 +136,7 @@ class Direct:
         self._release()
         if status < 400:
             self.proxy.promoter.note_ok(inst)
-        self.proxy._count(self.service, status, time.monotonic(), self.t0)
+        self.proxy.count(self.service, status, time.monotonic(), self.t0)
         self.front.finished(self.n)
 
     # -- from outside -------------------------------------------------------------------------------

@@ -86,6 +86,7 @@ class Front(asyncio.Protocol):
         self.buf = bytearray()
         self.task = None  # the request being served: an asyncio.Task, or a Direct (no task)
         self._pending: tuple | None = None  # (coroutine, body bytes) of a task not started yet
+        self.on_drain = None  # a task-less stream waiting for the client's socket (router/stream_now.py)
         self.keep_alive = True
         self.closed = False
         self.handed = False
@@ -113,6 +114,7 @@ class Front(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        self.on_drain = None
         self.site.conns.discard(self)
         self._cancel_timer(keepalive=True)
         if self.task is not None:
@@ -125,6 +127,13 @@ class Front(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._paused_writing = False
         self._wake_drain()
+        cb, self.on_drain = self.on_drain, None
+        if cb is not None:
+            cb()
+
+    def paused(self) -> bool:
+        """The client's socket is not taking bytes now (its buffer is past the high-water mark)."""
+        return self._paused_writing
 
     # -- writing ----------------------------------------------------------------------------
     def send(self, data: bytes) -> None:

@@ -25,6 +25,7 @@ from router.forward import (MIGRATABLE_PATHS, RESPONSE_DROP, RETRY_STATUS, answe
 from router.metrics import Metrics
 from router.promotion import Promoter
 from router.stream import ClientGone, StreamRelay
+from router.stream_now import DirectStream
 from router.upstream import ConnectError, ConnectTimeout, ProtocolError, Response
 
 log = structlog.get_logger(__name__)
@@ -90,32 +91,40 @@ class Proxy:
         primary and an idle connection: callbacks only, no task), else the ``serve`` coroutine to
         run in a task. ``n``: the body's bytes in the budget, given back when it ends."""
         head = parse_head(body)  # model, stream, n, echo: the prompt is skipped, not built
-        if head is None or head.stream is not True:
-            service = self.pick(head.model if head is not None else None)
-            if service is not None:
+        service = self.pick(head.model if head is not None else None)
+        relay = None
+        if service is not None:
+            if head is not None and head.stream is True:
+                relay = StreamRelay(head, body, request, service.adapter)
+                direct = DirectStream.start(self, request, service, relay, body, request.path, t0, n)
+            else:
                 direct = Direct.start(self, request, service, body, request.path, t0, n)
-                if direct is not None:
-                    return direct
-        return self.serve(request, request.path, body, t0, head)
+            if direct is not None:
+                return direct
+        return self.serve(request, request.path, body, t0, head, relay)
 
     async def serve(self, request: web.Request, target: str, body: bytes | bytearray,
-                    t0: float, head=_UNREAD) -> web.StreamResponse:
+                    t0: float, head=_UNREAD, relay: StreamRelay | None = None) -> web.StreamResponse:
         """One request whose path is allowed and whose body is read (aiohttp's ``handle`` above,
-        or router/front.py's listener for a plain request). ``head``: its ``parse_head``, if read."""
+        or router/front.py's listener for a plain request). ``head``: its ``parse_head``, if read;
+        ``relay``: a stream's, if built."""
         if head is _UNREAD:
             head = parse_head(body)  # model, stream, n, echo: the prompt is skipped, not built
         service = self.pick(head.model if head is not None else None)
         if service is None:
             return self._error(None, 503, "no service is configured", "service_unavailable")
         # a stream's dict is decoded only if it migrates (or its engine kind needs it at once)
-        relay = StreamRelay(head, body, request, service.adapter) if head is not None and head.stream is True else None
+        if relay is None and head is not None and head.stream is True:
+            relay = StreamRelay(head, body, request, service.adapter)
         return await self._run(request, target, service, body, relay, t0, Recovery(service), None)
 
     async def carry_on(self, request, target: str, service: Service, body: bytes, t0: float,
-                       recovery: Recovery, failure: BackendFailed | None) -> web.StreamResponse:
-        """A ``Direct`` whose attempt failed (``failure``, already counted) or never got a live
-        connection (None): the task path from there on, as after its own failed attempt."""
-        return await self._run(request, target, service, body, None, t0, recovery, failure)
+                       recovery: Recovery, failure: BackendFailed | None,
+                       relay: StreamRelay | None = None) -> web.StreamResponse:
+        """A ``Direct`` or ``DirectStream`` (``relay``) whose attempt failed (``failure``, already
+        counted) or never got a live connection (None): the task path from there on, as after its
+        own failed attempt (a retry; a migration once the stream has started)."""
+        return await self._run(request, target, service, body, relay, t0, recovery, failure)
 
     async def _run(self, request, target: str, service: Service, body: bytes | bytearray,
                    relay: StreamRelay | None, t0: float, recovery: Recovery,
@@ -150,7 +159,7 @@ class Proxy:
                 if relay is not None and relay.started:
                     if relay.finished:  # every token and the finish_reason are out: just close it
                         await relay.finish()
-                        self._count(service, 200, relay.first_byte_at, t0)
+                        self.count(service, 200, relay.first_byte_at, t0)
                         return relay.response
                     if not relay.can_migrate or migrations >= self.config.max_migrations:
                         why = f"not migratable ({relay.why_not})" if not relay.can_migrate else "too many migrations"
@@ -250,13 +259,13 @@ class Proxy:
                 answer(up.status, answer_headers(up.raw_headers), inst.name, data)
             if up.status < 400:
                 self.promoter.note_ok(inst)
-            self._count(service, up.status, time.monotonic(), t0)
+            self.count(service, up.status, time.monotonic(), t0)
             return ANSWERED
         if up.status < 400:
             self.promoter.note_ok(inst)
         out = CIMultiDict((k, v) for k, v in up.headers if k.lower() not in RESPONSE_DROP)
         out["X-Failover-Instance"] = inst.name
-        self._count(service, up.status, time.monotonic(), t0)
+        self.count(service, up.status, time.monotonic(), t0)
         return web.Response(status=up.status, body=data, headers=out)
 
     async def _relay(self, service: Service, inst: Instance, up: Response,
@@ -274,7 +283,7 @@ class Proxy:
         finally:
             attempt.unwatch()
         await relay.finish()  # [DONE] came: still disarmed, so a fence cannot cut the close
-        self._count(service, 200, relay.first_byte_at, t0)
+        self.count(service, 200, relay.first_byte_at, t0)
         await _drain(up)
         return relay.response
 
@@ -301,7 +310,7 @@ class Proxy:
         self._counter(service.name if service is not None else "-", status).inc()
         return web.json_response(error_body(message, type_, status), status=status)
 
-    def _count(self, service: Service, status: int, first_byte_at: float | None, t0: float) -> None:
+    def count(self, service: Service, status: int, first_byte_at: float | None, t0: float) -> None:
         self._counter(service.name, status).inc()
         if first_byte_at is not None:
             hist = self._latency.get(service.name)

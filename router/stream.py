@@ -164,15 +164,14 @@ class StreamRelay:
         upstream read is relayed in the connection's own callback (``_on_chunk``: scan, client
         write, record, all synchronous), not by waking this coroutine: it waits only for what the
         callback cannot do (the end, an error, a client that is not reading)."""
-        self._att = (instance, attempt, mark_ok, first_ok, content)
-        self._buf, self._first, self._exc = b"", True, None
+        self.attach(content, instance, attempt, mark_ok, first_ok)
         sink = (hasattr(content, "sink") and getattr(self.request, "open_stream", None) is not None)
         while True:
-            if sink and not content._chunks and not content.complete and content.error is None:
+            if sink and content.can_sink():
                 content.sink = self._on_chunk
                 try:
                     while content.sink is not None and not content.complete and content.error is None:
-                        await content._wait()
+                        await content.changed()
                 finally:
                     content.sink = None
                 exc, self._exc = self._exc, None
@@ -208,6 +207,21 @@ class StreamRelay:
                 kind = "stall" if attempt.stalled else "fenced"
                 raise BackendFailed(instance, kind, f"aborted: {kind}")
 
+    def attach(self, content, instance: str, attempt, mark_ok: Callable[[float], None],
+               first_ok: Callable[[], None]) -> None:
+        """The upstream attempt this relay reads from now (``pump``'s arguments); router/stream_now.py
+        drives ``on_chunk`` itself, with no coroutine."""
+        self._att = (instance, attempt, mark_ok, first_ok, content)
+        self._buf, self._first, self._exc = b"", True, None
+
+    def take_error(self):
+        """What made ``on_chunk`` hand back (BackendFailed, ClientGone), or None; cleared."""
+        exc, self._exc = self._exc, None
+        return exc
+
+    def on_chunk(self, chunk: bytes) -> None:
+        self._on_chunk(chunk)
+
     def _on_chunk(self, chunk: bytes) -> None:
         """``pump``'s work for one upstream read, in router/upstream.py's ``on_body`` callback. No
         await between the client write and the record of its tokens, so no abort falls between
@@ -236,8 +250,7 @@ class StreamRelay:
             pass
         except BaseException as exc:  # BackendFailed (garbage), ClientGone: pump raises it
             self._exc = exc
-        content.sink = None
-        content._wake()
+        content.unsink()
 
     def _feed(self, chunk: bytes, instance: str) -> bytes:
         """One upstream read into the event buffer: the bytes to send for the whole events it

@@ -58,6 +58,35 @@ class Response:
     def at_eof(self) -> bool:
         return self.complete and not self._chunks
 
+    # -- for a reader that hands the body to a sink and back (router/stream.py, router/stream_now.py)
+    def can_sink(self) -> bool:
+        """Nothing buffered, not ended, not failed: a ``sink`` may take the body from the next read."""
+        return not self._chunks and not self.complete and self.error is None
+
+    def buffered(self) -> bool:
+        return bool(self._chunks)
+
+    def take(self) -> bytes:
+        """The body bytes buffered now, joined (b"" if none), without a wait: ``readany``'s."""
+        chunks = self._chunks
+        if not chunks:
+            return b""
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        if self._size > HIGH_WATER:
+            self._conn.resume()
+        self._size = 0
+        return data
+
+    async def changed(self) -> None:
+        """Wait for the next change: body bytes (with no sink), the end, an error, a sink's hand-back."""
+        await self._wait()
+
+    def unsink(self) -> None:
+        """The sink hands the body back to the coroutine reader, waking it."""
+        self.sink = None
+        self._wake()
+
     def _wake(self) -> None:
         if self.waker is not None:
             self.waker()
@@ -79,14 +108,7 @@ class Response:
             if self.error is not None:
                 raise self.error
             await self._wait()
-        chunks = self._chunks
-        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-        if len(chunks) != 0:
-            chunks.clear()
-        if self._size > HIGH_WATER:
-            self._conn.resume()
-        self._size = 0
-        return data
+        return self.take()
 
     def body(self) -> bytes:
         """The whole body of a complete response, joined once (``read`` then returns the same)."""
