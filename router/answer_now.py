@@ -179,4 +179,10 @@ class Direct:
             recovery.begin()
             self.proxy.promoter.passive_failure(self.inst, self.generation, kind, detail)
         self.front.in_task(self.proxy.carry_on(self.req, self.target, self.service, self.body, self.t0,
-                                               recovery, failure), self.n, self.req.path)
+                                               recovery, failure), self.n, self.req.path,
+                           lambda: self._dropped(recovery))
+
+    def _dropped(self, recovery: Recovery) -> None:
+        """The client went away before the carry-on's task ran a line: what ``Proxy._run`` ends."""
+        recovery.end()
+        self.proxy.metrics.requests.labels(self.service.name, "client_gone").inc()

@@ -86,7 +86,7 @@ class Front(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.task = None  # the request being served: an asyncio.Task, or a Direct (no task)
-        self._pending: tuple | None = None  # (coroutine, body bytes) of a task not started yet
+        self._pending: tuple | None = None  # (coroutine, body bytes, on_drop) of a task not started yet
         self.on_drain = None  # a task-less stream waiting for the client's socket (router/stream_now.py)
         self.keep_alive = True
         self.closed = False
@@ -241,9 +241,10 @@ class Front(asyncio.Protocol):
         else:
             self.in_task(now, n, path)
 
-    def in_task(self, coro, n: int, path: str) -> None:
-        """Serve the current request by the coroutine ``coro`` (router/proxy.py's task path)."""
-        self._pending = (coro, n)
+    def in_task(self, coro, n: int, path: str, on_drop=None) -> None:
+        """Serve the current request by the coroutine ``coro`` (router/proxy.py's task path).
+        ``on_drop()``: what ``coro`` would have ended had it run, if it is cancelled before it does."""
+        self._pending = (coro, n, on_drop)
         self.task = asyncio.get_running_loop().create_task(self._serve(coro, n, path))
 
     def _cancel(self) -> None:
@@ -253,9 +254,12 @@ class Front(asyncio.Protocol):
         task.cancel()
         if pending is not None and isinstance(task, asyncio.Task):
             self._pending = None
-            pending[0].close()  # never awaited
+            coro, n, on_drop = pending
+            coro.close()  # never awaited
+            if on_drop is not None:
+                on_drop()
             self.keep_alive = False
-            self.finished(pending[1])
+            self.finished(n)
 
     async def _serve(self, coro, n: int, path: str) -> None:
         self._pending = None  # running: its finally ends the request

@@ -216,5 +216,6 @@ class DirectStream(Direct):
             recovery.begin()
             self.proxy.promoter.passive_failure(self.inst, self.generation, kind, detail)
         self.front.in_task(self.proxy.carry_on(self.req, self.target, self.service, self.body, self.t0,
-                                               recovery, failure, self.relay), self.n, self.req.path)
+                                               recovery, failure, self.relay), self.n, self.req.path,
+                           lambda: self._dropped(recovery))
 
