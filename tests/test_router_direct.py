@@ -24,7 +24,7 @@ BODY = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 1}).encode(
 class Script:
     """An engine whose completions do what ``plan`` says, in turn (then "ok"): "ok", "reset" (the
     connection is dropped mid-request), "hang" (no answer until the client goes), "big" (a 3 MiB
-    JSON answer)."""
+    JSON answer), "503"/"400" (a JSON error with that status)."""
 
     def __init__(self, name: str, plan: list[str]) -> None:
         self.name, self.plan = name, list(plan)
@@ -50,6 +50,8 @@ class Script:
                     await asyncio.sleep(0.01)
                 self.gone.set()
                 return web.Response(status=499)
+            if step in ("503", "400"):
+                return web.json_response({"error": {"message": step}}, status=int(step))
             if step == "big":
                 return web.Response(body=self.big, content_type="application/json")
             return web.json_response({"id": "c", "choices": [{"index": 0, "text": self.name}]})
@@ -141,4 +143,20 @@ async def test_whole_answers_larger_than_the_read_buffer_arrive_whole_either_way
                 assert status == 200 and body == primary.big
         finally:
             writer.close()
+        await wait_for(lambda: settled(router), what="slots and budget released")
+
+
+async def test_a_stream_request_answered_whole_is_retried_on_503_and_gets_a_400_as_it_is():
+    # the stream's task-less form with an answer that is not SSE: a whole answer, as Direct's
+    primary = Script("p", ["ok", "503", "ok", "400"])
+    stream = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 1, "stream": True}).encode()
+    async with rig(primary) as (router, reader, writer):
+        writer.write(post("/v1/completions", stream))
+        status, _, body = await read_response(reader)
+        assert status == 200 and json.loads(body)["choices"][0]["text"] == "p"
+        assert primary.seen == ["ok", "503", "ok"] and counter(router, "failover_router_retries_total") == 1
+        writer.write(post("/v1/completions", stream))
+        status, _, body = await read_response(reader)
+        assert status == 400 and json.loads(body) == {"error": {"message": "400"}}
+        assert counter(router, "failover_router_retries_total") == 1  # a 4xx is the client's, not retried
         await wait_for(lambda: settled(router), what="slots and budget released")
