@@ -1,6 +1,7 @@
 """The router's own cost per request, without torch: a stub engine, the router in front of it.
 
     python3 bench/router_micro.py [-n 2000] [--loop uvloop] [--events 16] [--gap 0.002 --kinds stream] [--idle 10]
+                                  [--closed 16 --seconds 3]
 
 A stub upstream (an aiohttp app in its own process: ``/ready``, ``/v1/models``, ``/v1/completions``
 whole or streamed with token ids, answered at once) stands in for the engine, so what differs between
@@ -131,6 +132,41 @@ async def measure(direct: str, proxied: str, n: int, router_pid: int, events: in
     return out
 
 
+async def closed_loop(direct: str, proxied: str, clients: int, seconds: float, router_pid: int, events: int,
+                      only: list[str] | None = None) -> dict:
+    """``clients`` closed-loop clients for ``seconds`` per kind, direct then through the router:
+    requests/s each way and the router's CPU per proxied request (this client and the stub share
+    the two cores, so req/s is the whole chain's; the router's CPU per request is its own)."""
+    kinds = {"completion": ("POST", "/v1/completions", {"model": "stub", "prompt": "Hi", "max_tokens": 1}),
+             "stream": ("POST", "/v1/completions", {"model": "stub", "prompt": "Hi", "max_tokens": events,
+                                                    "stream": True}),
+             "models": ("GET", "/v1/models", None)}
+    out = {}
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        for kind, (method, path, body) in kinds.items():
+            if only and kind not in only:
+                continue
+            rates = {}
+            for key, base in (("direct", direct), ("proxied", proxied)):
+                done = 0
+                stop = time.monotonic() + seconds
+
+                async def client() -> None:
+                    nonlocal done
+                    while time.monotonic() < stop:
+                        async with s.request(method, base + path, json=body) as r:
+                            await r.read()
+                        done += 1
+                c0, t = cpu_s(router_pid), time.monotonic()
+                await asyncio.gather(*(client() for _ in range(clients)))
+                rates[key] = (done / (time.monotonic() - t), (cpu_s(router_pid) - c0) / max(done, 1))
+            out[f"{kind}-c{clients}"] = {"direct_req_s": round(rates["direct"][0]), "proxied_req_s": round(rates["proxied"][0]),
+                                         "ratio": round(rates["proxied"][0] / rates["direct"][0], 2),
+                                         "router_cpu_ms_per_req": round(rates["proxied"][1] * 1e3, 3)}
+    return out
+
+
 async def with_haproxy(upstream: str, up_port: int, args) -> dict:
     """The same measure through HAProxy (from the distribution) in front of the same stub."""
     import tempfile
@@ -165,6 +201,8 @@ async def main_async(args) -> int:
                 await asyncio.sleep(0.05)
         pid = router.pid if args.profile is None else int(subprocess.check_output(["pgrep", "-P", str(router.pid)]))
         res = {"router": await measure(upstream, proxied, args.n, pid, args.events, args.kinds)}
+        if args.closed:  # throughput: closed-loop clients
+            res["router"] |= await closed_loop(upstream, proxied, args.closed, args.seconds, pid, args.events, args.kinds)
         if args.idle:  # the router with nothing to serve: its probes and timers alone
             c0 = cpu_s(pid)
             await asyncio.sleep(args.idle)
@@ -195,6 +233,9 @@ def main() -> int:
     p.add_argument("--gap", type=float, default=0.0, help="seconds between the stub's SSE events")
     p.add_argument("--kinds", action="append", choices=("completion", "stream", "models"),
                    help="only these kinds (repeatable; default all)")
+    p.add_argument("--closed", type=int, default=0, metavar="C",
+                   help="then C closed-loop clients per kind, direct and proxied: requests/s, router CPU per request")
+    p.add_argument("--seconds", type=float, default=3.0, help="seconds per kind and way of --closed")
     p.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"))
     p.add_argument("--haproxy", action="store_true", help="also through HAProxy, in front of the same stub")
     p.add_argument("--profile", type=Path, help="py-spy the router; raw stacks into this file")

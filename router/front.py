@@ -16,7 +16,10 @@ hands the connection (with every byte received and not yet served) to aiohttp's 
 the rest of its life: the admin API, the status page, odd paths (404), chunked or gzip bodies,
 slow senders (408), huge bodies (413/503) all get exactly aiohttp's handling, as before.
 
-As aiohttp's handler_cancellation: a client that disconnects cancels its request's task.
+As aiohttp's handler_cancellation: a client that disconnects cancels its request's task. The
+common whole answer has no task (router/answer_now.py's ``Direct``, in the same ``task`` slot: it
+has ``cancel``, and ends through ``finished``); a stream, or any request the proxy cannot send at
+once, runs in a task.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ import httptools
 import structlog
 from aiohttp import web
 
+from router.answer_now import Direct
+from router.forward import FORWARD_TAIL, REQUEST_DROP_B
 from router.front_answer import FastRequest, FastStream, http_date
-from router.proxy import ANSWERED, FORWARD_TAIL, REQUEST_DROP_B
+from router.proxy import ANSWERED
 
 log = structlog.get_logger(__name__)
 
@@ -80,7 +85,9 @@ class Front(asyncio.Protocol):
         self.site = site
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
-        self.task: asyncio.Task | None = None  # the request being served
+        self.task = None  # the request being served: an asyncio.Task, or a Direct (no task)
+        self._pending: tuple | None = None  # (coroutine, body bytes, on_drop) of a task not started yet
+        self.on_drain = None  # a task-less stream waiting for the client's socket (router/stream_now.py)
         self.keep_alive = True
         self.closed = False
         self.handed = False
@@ -108,10 +115,11 @@ class Front(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        self.on_drain = None
         self.site.conns.discard(self)
         self._cancel_timer(keepalive=True)
         if self.task is not None:
-            self.task.cancel()  # the client is gone: so is its request (handler_cancellation)
+            self._cancel()  # the client is gone: so is its request (handler_cancellation)
         self._wake_drain()
 
     def pause_writing(self) -> None:
@@ -120,6 +128,13 @@ class Front(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._paused_writing = False
         self._wake_drain()
+        cb, self.on_drain = self.on_drain, None
+        if cb is not None:
+            cb()
+
+    def paused(self) -> bool:
+        """The client's socket is not taking bytes now (its buffer is past the high-water mark)."""
+        return self._paused_writing
 
     # -- writing ----------------------------------------------------------------------------
     def send(self, data: bytes) -> None:
@@ -211,13 +226,45 @@ class Front(asyncio.Protocol):
         req = FastRequest(method.decode(), path, head.headers, b"".join(head.forward) + FORWARD_TAIL, self)
         budget.take(n)
         self.started = False
-        self.task = asyncio.get_running_loop().create_task(self._serve(req, body, n))
-
-    async def _serve(self, req: FastRequest, body: bytes, n: int) -> None:
-        site = self.site
-        site.inflight += 1
+        self.site.inflight += 1
         try:
-            resp = await site.proxy.serve(req, req.path, body, time.monotonic())
+            now = self.site.proxy.serve_now(req, body, time.monotonic(), n)
+        except Exception:
+            log.exception("front_request_failed", path=req.path)
+            self.keep_alive = False
+            self.transport.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n"
+                                 b"Connection: close\r\n\r\n")
+            self.finished(n)
+            return
+        if isinstance(now, Direct):  # (not asyncio.iscoroutine: an ABC check, 1 % of the router's samples)
+            self.task = now  # sent already; it ends through finished()
+        else:
+            self.in_task(now, n, path)
+
+    def in_task(self, coro, n: int, path: str, on_drop=None) -> None:
+        """Serve the current request by the coroutine ``coro`` (router/proxy.py's task path).
+        ``on_drop()``: what ``coro`` would have ended had it run, if it is cancelled before it does."""
+        self._pending = (coro, n, on_drop)
+        self.task = asyncio.get_running_loop().create_task(self._serve(coro, n, path))
+
+    def _cancel(self) -> None:
+        """Cancel the current request. A task cancelled before its first step never runs a line of
+        ``_serve`` (not even its ``finally``): its request is ended here instead."""
+        task, pending = self.task, self._pending
+        task.cancel()
+        if pending is not None and isinstance(task, asyncio.Task):
+            self._pending = None
+            coro, n, on_drop = pending
+            coro.close()  # never awaited
+            if on_drop is not None:
+                on_drop()
+            self.keep_alive = False
+            self.finished(n)
+
+    async def _serve(self, coro, n: int, path: str) -> None:
+        self._pending = None  # running: its finally ends the request
+        try:
+            resp = await coro
             if resp is ANSWERED:
                 pass
             elif not isinstance(resp, FastStream):
@@ -227,17 +274,23 @@ class Front(asyncio.Protocol):
         except asyncio.CancelledError:
             self.keep_alive = False
         except Exception:
-            log.exception("front_request_failed", path=req.path)
+            log.exception("front_request_failed", path=path)
             self.keep_alive = False
             if not self.closed and not self.started:
                 self.transport.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n"
                                      b"Connection: close\r\n\r\n")
         finally:
-            site.proxy.bodies.give(n)
-            site.inflight -= 1
-            self.task = None
-            if site.closing and not site.inflight:
-                site.idle.set()
+            self.finished(n)
+
+    def finished(self, n: int) -> None:
+        """The current request is over (its task's, or a Direct's, last step): its body leaves the
+        budget, then the next request in the buffer, if any, is served."""
+        site = self.site
+        site.proxy.bodies.give(n)
+        site.inflight -= 1
+        self.task = None
+        if site.closing and not site.inflight:
+            site.idle.set()
         if self.closed:
             return
         if not self.keep_alive or site.closing:
@@ -308,6 +361,6 @@ class FrontSite(web.TCPSite):
             except TimeoutError:
                 for c in list(self.conns):
                     if c.task is not None:
-                        c.task.cancel()
+                        c._cancel()
         for c in list(self.conns):
             c.transport.close()

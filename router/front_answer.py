@@ -92,6 +92,14 @@ class FastStream:
             if self.send(data):  # only then is there anything to wait for (send raised if closed)
                 await self.conn.drain()
 
+    def end_now(self) -> None:
+        """``write_eof`` without waiting for the client to take the bytes."""
+        if not self.eof:
+            self.eof = True
+            if not self.ended:
+                head, self.head = self.head, b""
+                self.conn.send(head + b"0\r\n\r\n")
+
     async def write_eof(self) -> None:
         if not self.eof:
             self.eof = True

@@ -10,36 +10,28 @@ from __future__ import annotations
 import asyncio
 import time
 
-import msgspec
 import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from router.answer_now import AnswerNow, Direct
 from router.backend import Attempt, Instance, Recovery, Service
 from router.body import BodyBudget, read_body
 from router.config import RouterConfig
 from router.errors import BackendFailed, BodyRejected, NoPrimary, Saturated
+from router.forward import (MIGRATABLE_PATHS, RESPONSE_DROP, RETRY_STATUS, answer_headers, error_body,
+                            forward_headers, is_json_object, parse_head)
 from router.metrics import Metrics
 from router.promotion import Promoter
-from router.stream import MIGRATABLE_PATHS, ClientGone, StreamRelay
+from router.stream import ClientGone, StreamRelay
+from router.stream_now import DirectStream
 from router.upstream import ConnectError, ConnectTimeout, ProtocolError, Response
 
 log = structlog.get_logger(__name__)
 
-_decode = msgspec.json.Decoder().decode
-
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-                        "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
-                        "accept-encoding", "expect"})
-# The body is forwarded decoded (router/body.py), so its coding must not be claimed upstream.
-REQUEST_DROP = HOP_BY_HOP | {"content-encoding"}
-RESPONSE_DROP = HOP_BY_HOP | {"server", "date", "content-encoding"}
-# The engine says "not now" (starting, draining, overloaded): try the next primary.
-RETRY_STATUS = frozenset({502, 503, 504})
 DRAIN_TIMEOUT = 0.5  # after [DONE]: how long the end of the upstream response may take to arrive
-REQUEST_DROP_B = frozenset(k.encode() for k in REQUEST_DROP)
-RESPONSE_DROP_B = frozenset(k.encode() for k in RESPONSE_DROP)
+_UNREAD = object()
 
 
 class Answered(web.StreamResponse):
@@ -47,10 +39,6 @@ class Answered(web.StreamResponse):
 
 
 ANSWERED = Answered()
-
-
-def error_body(message: str, type_: str, code: int) -> dict:
-    return {"error": {"message": message, "type": type_, "code": code}}
 
 
 class Proxy:
@@ -98,18 +86,54 @@ class Proxy:
                 request.protocol.force_close()
             return resp
 
+    def serve_now(self, request, body: bytes, t0: float, n: int):
+        """router/front.py's plain request: a ``Direct`` already sent (a whole answer with a free
+        primary and an idle connection: callbacks only, no task), else the ``serve`` coroutine to
+        run in a task. ``n``: the body's bytes in the budget, given back when it ends."""
+        head = parse_head(body)  # model, stream, n, echo: the prompt is skipped, not built
+        service = self.pick(head.model if head is not None else None)
+        relay = None
+        if service is not None:
+            if head is not None and head.stream is True:
+                relay = StreamRelay(head, body, request, service.adapter)
+                direct = DirectStream.start(self, request, service, relay, body, request.path, t0, n)
+            else:
+                direct = Direct.start(self, request, service, body, request.path, t0, n)
+            if direct is not None:
+                return direct
+        return self.serve(request, request.path, body, t0, head, relay)
+
     async def serve(self, request: web.Request, target: str, body: bytes | bytearray,
-                    t0: float) -> web.StreamResponse:
+                    t0: float, head=_UNREAD, relay: StreamRelay | None = None) -> web.StreamResponse:
         """One request whose path is allowed and whose body is read (aiohttp's ``handle`` above,
-        or router/front.py's listener for a plain request)."""
-        head = _parse_head(body)  # model and stream only: a whole request's prompt is skipped, not built
+        or router/front.py's listener for a plain request). ``head``: its ``parse_head``, if read;
+        ``relay``: a stream's, if built."""
+        if head is _UNREAD:
+            head = parse_head(body)  # model, stream, n, echo: the prompt is skipped, not built
         service = self.pick(head.model if head is not None else None)
         if service is None:
             return self._error(None, 503, "no service is configured", "service_unavailable")
-        payload = _parse(body) if head is not None and head.stream is True else None
-        relay = StreamRelay(payload, request, service.adapter) if payload else None
+        # a stream's dict is decoded only if it migrates (or its engine kind needs it at once)
+        if relay is None and head is not None and head.stream is True:
+            relay = StreamRelay(head, body, request, service.adapter)
+        return await self._run(request, target, service, body, relay, t0, Recovery(service), None)
+
+    async def carry_on(self, request, target: str, service: Service, body: bytes, t0: float,
+                       recovery: Recovery, failure: BackendFailed | None,
+                       relay: StreamRelay | None = None) -> web.StreamResponse:
+        """A ``Direct`` or ``DirectStream`` (``relay``) whose attempt failed (``failure``, already
+        counted) or never got a live connection (None): the task path from there on, as after its
+        own failed attempt (a retry; a migration once the stream has started)."""
+        return await self._run(request, target, service, body, relay, t0, recovery, failure)
+
+    async def _run(self, request, target: str, service: Service, body: bytes | bytearray,
+                   relay: StreamRelay | None, t0: float, recovery: Recovery,
+                   failure: BackendFailed | None) -> web.StreamResponse:
         try:
-            return await self._serve(request, target, service, body, relay, t0)
+            try:  # recovery: between a failed attempt and the next good byte
+                return await self._attempts(request, target, service, body, relay, t0, recovery, failure)
+            finally:
+                recovery.end()
         except ClientGone:
             log.info("client_gone", service=service.name, path=request.path)
             self.metrics.requests.labels(service.name, "client_gone").inc()
@@ -121,23 +145,38 @@ class Proxy:
             self.metrics.requests.labels(service.name, "client_gone").inc()
             raise
 
-    async def _serve(self, request: web.Request, target: str, service: Service, body: bytes | bytearray,
-                     relay: StreamRelay | None, t0: float) -> web.StreamResponse:
-        recovery = Recovery(service)  # between a failed attempt and the next good byte
-        try:
-            return await self._attempts(request, target, service, body, relay, t0, recovery)
-        finally:
-            recovery.end()
-
     async def _attempts(self, request: web.Request, target: str, service: Service, body: bytes | bytearray,
-                        relay: StreamRelay | None, t0: float, recovery: Recovery) -> web.StreamResponse:
+                        relay: StreamRelay | None, t0: float, recovery: Recovery,
+                        failure: BackendFailed | None) -> web.StreamResponse:
         headers = getattr(request, "forward", None)  # router/front.py has them as bytes already
         if headers is None:
-            headers = _forward_headers(request.headers)
+            headers = forward_headers(request.headers)
         if relay is not None:  # what the engine kind needs added to stream (ours: nothing, same bytes)
             body = relay.first_body(body)
         retries = migrations = 0
         while True:
+            if failure is not None:  # the last attempt failed (counted): retry, migrate, or give up
+                if relay is not None and relay.started:
+                    if relay.finished:  # every token and the finish_reason are out: just close it
+                        await relay.finish()
+                        self.count(service, 200, relay.first_byte_at, t0)
+                        return relay.response
+                    if not relay.can_migrate or migrations >= self.config.max_migrations:
+                        why = f"not migratable ({relay.why_not})" if not relay.can_migrate else "too many migrations"
+                        await relay.fail(f"upstream failed mid-stream and the stream is {why}: {failure}")
+                        self.metrics.requests.labels(service.name, "stream_error").inc()
+                        return relay.response
+                    migrations += 1
+                    relay.next_segment()
+                    self.metrics.migrations.labels(service.name).inc()
+                    log.info("stream_migrating", service=service.name, failed=failure.instance,
+                             tokens_sent=len(relay.tokens), migration=migrations)
+                else:
+                    if retries >= self.config.max_retries:
+                        return self._error(service, 502, f"every attempt failed; last: {failure}", "bad_gateway")
+                    retries += 1
+                    self.metrics.retries.labels(service.name).inc()
+                failure = None
             inst = service.routable()  # the common case, without an await
             if inst is None or not inst.gate.try_enter():
                 deadline = time.monotonic() + self.config.queue_deadline
@@ -163,26 +202,6 @@ class Proxy:
             finally:
                 inst.end()
                 inst.gate.leave()
-            if relay is not None and relay.started:
-                if relay.finished:  # every token and the finish_reason are out: just close it
-                    await relay.finish()
-                    self._count(service, 200, relay.first_byte_at, t0)
-                    return relay.response
-                if not relay.can_migrate or migrations >= self.config.max_migrations:
-                    why = f"not migratable ({relay.why_not})" if not relay.can_migrate else "too many migrations"
-                    await relay.fail(f"upstream failed mid-stream and the stream is {why}: {failure}")
-                    self.metrics.requests.labels(service.name, "stream_error").inc()
-                    return relay.response
-                migrations += 1
-                relay.next_segment()
-                self.metrics.migrations.labels(service.name).inc()
-                log.info("stream_migrating", service=service.name, failed=inst.name,
-                         tokens_sent=len(relay.tokens), migration=migrations)
-            else:
-                if retries >= self.config.max_retries:
-                    return self._error(service, 502, f"every attempt failed; last: {failure}", "bad_gateway")
-                retries += 1
-                self.metrics.retries.labels(service.name).inc()
 
     async def _attempt(self, request: web.Request, target: str, service: Service, inst: Instance,
                        body: bytes | bytearray, headers: bytes, relay: StreamRelay | None,
@@ -209,7 +228,7 @@ class Proxy:
                     elif relay is not None and relay.started:
                         raise BackendFailed(inst.name, "rejected",
                                             f"resumed stream answered {up.status}: {data[:200]!r}")
-                    elif up.status == 200 and request.path in MIGRATABLE_PATHS and not _is_json_object(data):
+                    elif up.status == 200 and request.path in MIGRATABLE_PATHS and not is_json_object(data):
                         raise BackendFailed(inst.name, "garbage", f"200 with a non-JSON body: {data[:80]!r}")
         except (BackendFailed, ClientGone):
             raise
@@ -237,16 +256,16 @@ class Proxy:
             inst.attempts.discard(attempt)
         if answer is not None:
             if now is None or not now.sent:
-                answer(up.status, _answer_headers(up), inst.name, data)
+                answer(up.status, answer_headers(up.raw_headers), inst.name, data)
             if up.status < 400:
                 self.promoter.note_ok(inst)
-            self._count(service, up.status, time.monotonic(), t0)
+            self.count(service, up.status, time.monotonic(), t0)
             return ANSWERED
         if up.status < 400:
             self.promoter.note_ok(inst)
         out = CIMultiDict((k, v) for k, v in up.headers if k.lower() not in RESPONSE_DROP)
         out["X-Failover-Instance"] = inst.name
-        self._count(service, up.status, time.monotonic(), t0)
+        self.count(service, up.status, time.monotonic(), t0)
         return web.Response(status=up.status, body=data, headers=out)
 
     async def _relay(self, service: Service, inst: Instance, up: Response,
@@ -264,7 +283,7 @@ class Proxy:
         finally:
             attempt.unwatch()
         await relay.finish()  # [DONE] came: still disarmed, so a fence cannot cut the close
-        self._count(service, 200, relay.first_byte_at, t0)
+        self.count(service, 200, relay.first_byte_at, t0)
         await _drain(up)
         return relay.response
 
@@ -291,7 +310,7 @@ class Proxy:
         self._counter(service.name if service is not None else "-", status).inc()
         return web.json_response(error_body(message, type_, status), status=status)
 
-    def _count(self, service: Service, status: int, first_byte_at: float | None, t0: float) -> None:
+    def count(self, service: Service, status: int, first_byte_at: float | None, t0: float) -> None:
         self._counter(service.name, status).inc()
         if first_byte_at is not None:
             hist = self._latency.get(service.name)
@@ -308,66 +327,6 @@ class Proxy:
         return child
 
 
-class AnswerNow:
-    """A whole answer on router/front.py's listener, written in the upstream connection's callback
-    (``Response.on_done``) once read and past ``_attempt``'s checks (no retry status; a completion's
-    200 is a JSON object), before the task wakes. The attempt is then disarmed: a fence can no longer
-    make it a retry (a second answer). Anything else, and a fenced attempt, is left to the task."""
-
-    __slots__ = ("answer", "path", "instance", "attempt", "sent")
-
-    def __init__(self, answer, path: str, instance: str, attempt: Attempt) -> None:
-        self.answer, self.path, self.instance, self.attempt, self.sent = answer, path, instance, attempt, False
-
-    def __call__(self, up: Response) -> None:
-        attempt = self.attempt
-        if attempt.aborted or up.status in RETRY_STATUS:
-            return
-        data = up.body()
-        if up.status == 200 and self.path in MIGRATABLE_PATHS and not _is_json_object(data):
-            return
-        attempt.disarm()
-        try:
-            self.answer(up.status, _answer_headers(up), self.instance, data)
-        except Exception:  # never into the parser's callback: the task answers instead
-            log.exception("answer_failed", instance=self.instance)
-            attempt.rearm()
-            return
-        self.sent = True
-
-
-def _answer_headers(up: Response) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in up.raw_headers if k.lower() not in RESPONSE_DROP_B]
-
-class _Head(msgspec.Struct):  # what the proxy reads of every request body; the rest is skipped unbuilt
-    model: object = None
-    stream: object = None
-
-
-_decode_head = msgspec.json.Decoder(_Head).decode
-
-
-def _parse_head(body: bytes | bytearray) -> _Head | None:
-    """``model`` and ``stream`` of a JSON object request, or None (malformed: to the engine as is)."""
-    if not body or body[:1] not in (b"{", b" ", b"\n", b"\t", b"\r"):
-        return None
-    try:
-        return _decode_head(body)
-    except msgspec.DecodeError:  # and ValidationError (not an object)
-        return None
-
-
-def _parse(body: bytes | bytearray) -> dict | None:
-    """The JSON object of a request, or None (malformed bodies go to the engine unchanged)."""
-    if not body or body[:1] not in (b"{", b" ", b"\n", b"\t", b"\r"):
-        return None
-    try:
-        obj = _decode(body)
-    except msgspec.DecodeError:
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
 async def _drain(up: Response) -> None:
     """Read the stream's end (its last chunk follows [DONE]) so that the connection goes back to
     the instance's pool: released before its payload ended, it is closed, and the next request
@@ -380,21 +339,3 @@ async def _drain(up: Response) -> None:
                 pass
     except (TimeoutError, ProtocolError, OSError):
         pass  # the connection is closed instead of pooled: nothing lost
-
-
-def _is_json_object(data: bytes) -> bool:
-    try:
-        return isinstance(_decode(data), dict)
-    except msgspec.DecodeError:
-        return False
-
-
-FORWARD_TAIL = b"Accept-Encoding: identity\r\n"  # we parse streams; the client link may compress later
-
-
-def _forward_headers(headers) -> bytes:
-    """The client's end-to-end headers as request header lines for router/upstream.py (each
-    ending in CRLF; values as aiohttp's parser accepted them, so with no CR or LF in them).
-    router/front.py builds the same lines from the raw head (``FastRequest.forward``)."""
-    lines = [f"{k}: {v}\r\n" for k, v in headers.items() if k.lower() not in REQUEST_DROP]
-    return "".join(lines).encode("latin-1") + FORWARD_TAIL

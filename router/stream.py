@@ -28,11 +28,10 @@ import msgspec
 from aiohttp import web
 
 from router.errors import BackendFailed
+from router.forward import MIGRATABLE_PATHS, parse
 from router.resume import BUNDLED, Resume, Seen, inspect_dict
 
 _encode = msgspec.json.Encoder().encode
-
-MIGRATABLE_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 _inspect = inspect_dict  # the dict form, for callers that hold a decoded event
 __all__ = ["MIGRATABLE_PATHS", "ClientGone", "Seen", "StreamRelay"]
@@ -47,13 +46,16 @@ class _Stop(Exception):
 
 
 class StreamRelay:
-    def __init__(self, payload: dict, request: web.Request, adapter=None) -> None:
-        self.payload = payload
+    """``head``: the request's router/forward.py ``Head``; ``raw``: its body. The body's whole dict
+    (``payload``) is decoded only when needed: our engine's streams need it only to migrate."""
+
+    def __init__(self, head, raw: bytes | bytearray, request: web.Request, adapter=None) -> None:
+        self.raw = raw
+        self._payload: dict | None = None
         self.request = request
         # the engine kind's per-stream migration (router/adapters); None: our engine's (router/resume.py)
-        self.resume: Resume = adapter.stream(payload, request.path) if adapter is not None else BUNDLED
-        n = payload.get("n", 1)
-        self.can_migrate = request.path in MIGRATABLE_PATHS and n in (1, None) and not payload.get("echo")
+        self.resume: Resume = adapter.stream(self.payload, request.path) if adapter is not None else BUNDLED
+        self.can_migrate = request.path in MIGRATABLE_PATHS and head.n in (1, None) and not head.echo
         self.why_not = "no token_ids" if adapter is None else "the engine's events cannot be continued exactly"
         if adapter is not None and not self.resume.resumable:
             self.can_migrate, self.why_not = False, self.resume.why_not
@@ -69,6 +71,14 @@ class StreamRelay:
         self._buf, self._seen, self._first, self._exc = b"", [], True, None
 
     @property
+    def payload(self) -> dict:
+        """The request's JSON object (decoded on first use; ``head`` said it is one)."""
+        if self._payload is None:
+            self._payload = parse(self.raw)
+            assert self._payload is not None, "a stream's body decoded as a Head but not as an object"
+        return self._payload
+
+    @property
     def started(self) -> bool:
         return self.response is not None
 
@@ -78,6 +88,8 @@ class StreamRelay:
 
     def first_body(self, raw: bytes | bytearray) -> bytes | bytearray:
         """The first attempt's body: what the engine kind needs added (ours: nothing, same bytes)."""
+        if self.resume is BUNDLED:
+            return raw  # the engine sends token ids unasked: the client's bytes as they are, no decode
         return self.resume.first_body(self.payload, raw)
 
     def upstream(self, target: str, body: bytes | bytearray) -> tuple[str, bytes | bytearray]:
@@ -152,15 +164,14 @@ class StreamRelay:
         upstream read is relayed in the connection's own callback (``_on_chunk``: scan, client
         write, record, all synchronous), not by waking this coroutine: it waits only for what the
         callback cannot do (the end, an error, a client that is not reading)."""
-        self._att = (instance, attempt, mark_ok, first_ok, content)
-        self._buf, self._first, self._exc = b"", True, None
+        self.attach(content, instance, attempt, mark_ok, first_ok)
         sink = (hasattr(content, "sink") and getattr(self.request, "open_stream", None) is not None)
         while True:
-            if sink and not content._chunks and not content.complete and content.error is None:
+            if sink and content.can_sink():
                 content.sink = self._on_chunk
                 try:
                     while content.sink is not None and not content.complete and content.error is None:
-                        await content._wait()
+                        await content.changed()
                 finally:
                     content.sink = None
                 exc, self._exc = self._exc, None
@@ -196,6 +207,21 @@ class StreamRelay:
                 kind = "stall" if attempt.stalled else "fenced"
                 raise BackendFailed(instance, kind, f"aborted: {kind}")
 
+    def attach(self, content, instance: str, attempt, mark_ok: Callable[[float], None],
+               first_ok: Callable[[], None]) -> None:
+        """The upstream attempt this relay reads from now (``pump``'s arguments); router/stream_now.py
+        drives ``on_chunk`` itself, with no coroutine."""
+        self._att = (instance, attempt, mark_ok, first_ok, content)
+        self._buf, self._first, self._exc = b"", True, None
+
+    def take_error(self):
+        """What made ``on_chunk`` hand back (BackendFailed, ClientGone), or None; cleared."""
+        exc, self._exc = self._exc, None
+        return exc
+
+    def on_chunk(self, chunk: bytes) -> None:
+        self._on_chunk(chunk)
+
     def _on_chunk(self, chunk: bytes) -> None:
         """``pump``'s work for one upstream read, in router/upstream.py's ``on_body`` callback. No
         await between the client write and the record of its tokens, so no abort falls between
@@ -224,8 +250,7 @@ class StreamRelay:
             pass
         except BaseException as exc:  # BackendFailed (garbage), ClientGone: pump raises it
             self._exc = exc
-        content.sink = None
-        content._wake()
+        content.unsink()
 
     def _feed(self, chunk: bytes, instance: str) -> bytes:
         """One upstream read into the event buffer: the bytes to send for the whole events it

@@ -30,93 +30,11 @@ from urllib.parse import urlsplit
 import httptools
 
 from router.upstream_errors import ConnectError, ConnectTimeout, PoolClosed, ProtocolError, ResetError
+from router.upstream_response import HIGH_WATER, Response
+
+__all__ = ["ConnectError", "ConnectTimeout", "PoolClosed", "Pool", "ProtocolError", "ResetError", "Response"]
 
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
-HIGH_WATER = 1 << 20  # response bytes buffered before the socket is paused (a slow client)
-
-
-class Response:
-    """One response; also its own ``content`` (``readany``/``at_eof``, as aiohttp's StreamReader)."""
-
-    __slots__ = ("status", "content_type", "_chunks", "_size", "complete", "error",
-                 "_waiter", "_conn", "headers_done", "raw_headers", "keep_alive", "delimited", "sink",
-                 "on_done")
-
-    def __init__(self, conn: "_Conn") -> None:
-        self._conn = conn
-        self.status = 0
-        self.raw_headers: list[tuple[bytes, bytes]] = []  # as received (names as the engine spelt them)
-        self.content_type = ""
-        self._chunks: collections.deque[bytes] = collections.deque()
-        self._size = 0
-        self.headers_done = self.complete = False
-        self.keep_alive = False
-        self.delimited = False  # Content-Length or chunked: the end is known without a close
-        self.error: BaseException | None = None
-        self._waiter: asyncio.Future | None = None
-        # set by the one reader (router/stream.py's relay): each read's body chunks go to it, joined,
-        # in data_received, without a wake-up; it must not raise, and hands back by setting this
-        # to None and calling _wake()
-        self.sink: Callable[[bytes], None] | None = None
-        # called once, in data_received, when the whole response has been read (router/proxy.py
-        # answers a whole response from here, before its task wakes); it must not raise
-        self.on_done: Callable[["Response"], None] | None = None
-
-    @property
-    def headers(self) -> list[tuple[str, str]]:
-        """The headers, decoded (latin-1)."""
-        return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw_headers]
-
-    @property
-    def content(self) -> "Response":
-        return self
-
-    def at_eof(self) -> bool:
-        return self.complete and not self._chunks
-
-    def _wake(self) -> None:
-        w = self._waiter
-        if w is not None:
-            self._waiter = None
-            if not w.done():
-                w.set_result(None)
-
-    async def _wait(self) -> None:
-        self._waiter = w = self._conn.loop.create_future()
-        await w
-
-    async def readany(self) -> bytes:
-        """The body bytes buffered now (waiting for some), b"" once the response is complete."""
-        while not self._chunks:
-            if self.complete:
-                return b""
-            if self.error is not None:
-                raise self.error
-            await self._wait()
-        chunks = self._chunks
-        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-        if len(chunks) != 0:
-            chunks.clear()
-        if self._size > HIGH_WATER:
-            self._conn.resume()
-        self._size = 0
-        return data
-
-    def body(self) -> bytes:
-        """The whole body of a complete response, joined once (``read`` then returns the same)."""
-        chunks = self._chunks
-        if len(chunks) != 1:
-            data = b"".join(chunks)
-            chunks.clear()
-            chunks.append(data)
-        return chunks[0]
-
-    async def read(self) -> bytes:
-        while not self.complete:
-            if self.error is not None:
-                raise self.error
-            await self._wait()
-        return self.body()
 
 
 class _Conn(asyncio.Protocol):
@@ -164,6 +82,9 @@ class _Conn(asyncio.Protocol):
             if resp.headers_done and not resp.delimited:
                 resp.complete = True  # delimited by the close itself (HTTP/1.0 style)
                 resp._wake()
+                if resp.on_done is not None:
+                    done, resp.on_done = resp.on_done, None
+                    done(resp)
             else:
                 self._fail(ResetError("the engine closed the connection before its response ended"))
 
@@ -205,7 +126,7 @@ class _Conn(asyncio.Protocol):
         if resp.sink is not None:  # the relay takes them after the parse (data_received): no wake-up
             return
         resp._size += len(body)
-        if resp._size > HIGH_WATER and not self.paused:
+        if resp._size > HIGH_WATER and not self.paused and not resp.whole:
             self.paused = True
             self.transport.pause_reading()
         resp._wake()
@@ -316,12 +237,40 @@ class Pool:
         """``head``: the request's header lines, latin-1, each ending in CRLF (no Host, no
         Content-Length). The request is one bytes object, written at once. ``on_done``: see
         ``Response.on_done``."""
+        return _Request(self, method, self.encode(method, target, head, body), on_done)
+
+    def encode(self, method: str, target: str, head: bytes, body: bytes | bytearray | None) -> bytes:
+        """The request's bytes (``request``'s arguments)."""
         n = len(body) if body else 0
         start = f"{method} {target} HTTP/1.1\r\nHost: {self.host_header}\r\n".encode("latin-1")
         if n or method not in ("GET", "HEAD"):
-            return _Request(self, method, b"%b%bContent-Length: %d\r\n\r\n%b" % (start, head, n, body or b""),
-                            on_done)
-        return _Request(self, method, b"%b%b\r\n" % (start, head), on_done)
+            return b"%b%bContent-Length: %d\r\n\r\n%b" % (start, head, n, body or b"")
+        return b"%b%b\r\n" % (start, head)
+
+    def send_now(self, method: str, data: bytes) -> tuple["_Conn", Response] | None:
+        """Send ``data`` on an idle pooled connection, with no await: its (connection, response),
+        or None when none is idle (the caller takes the ``request`` path, which may connect). The
+        caller owns the connection until it hands it back with ``finish``."""
+        if self.closed:
+            return None
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            if not conn.closed:
+                self._busy.add(conn)
+                resp = conn.resp = Response(conn)
+                conn.head = method == "HEAD"
+                conn.transport.write(data)
+                return conn, resp
+        return None
+
+    def finish(self, conn: "_Conn", resp: Response) -> None:
+        """``send_now``'s connection back: pooled if its response was read to the end, else closed."""
+        if resp.complete and resp.keep_alive and not conn.closed and resp.error is None:
+            conn.resp = None
+            self._give(conn)
+        else:
+            conn.close()
 
     async def _take(self) -> tuple[_Conn, bool]:
         if self.closed:

@@ -133,13 +133,14 @@ def big_stream_app(events: int, size: int, progress: dict):
     from router_helpers import _ready
 
     async def completions(request: web.Request) -> web.StreamResponse:
+        n = min(events, int((await request.json()).get("max_tokens", events)))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         out = bytearray()
-        for i in range(events):
+        for i in range(n):
             ev = {"id": "cmpl-big", "object": "text_completion", "created": 1, "model": "tiny",
                   "choices": [{"index": 0, "text": "x" * size, "token_ids": [i],
-                               "finish_reason": "length" if i == events - 1 else None}]}
+                               "finish_reason": "length" if i == n - 1 else None}]}
             data = b"data: " + json.dumps(ev).encode() + b"\n\n"
             out += data
             await resp.write(data)
@@ -155,10 +156,28 @@ def big_stream_app(events: int, size: int, progress: dict):
     return app
 
 
+async def read_chunked(reader: asyncio.StreamReader) -> bytes:
+    raw = bytearray()
+    while not raw.endswith(b"\r\n0\r\n\r\n"):
+        data = await asyncio.wait_for(reader.read(1 << 20), 10)
+        assert data, "the router closed the connection before the stream's end"
+        raw += data
+    return bytes(raw)
+
+
+def stream_request(max_tokens: int) -> bytes:
+    body = b'{"model": "tiny", "prompt": "x", "max_tokens": %d, "stream": true}' % max_tokens
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+
+
 @pytest.mark.asyncio
-async def test_a_client_that_stops_reading_holds_the_engine_back_and_then_gets_every_byte():
+@pytest.mark.parametrize("pooled", [False, True], ids=["task-path", "no-task"])
+async def test_a_client_that_stops_reading_holds_the_engine_back_and_then_gets_every_byte(pooled):
     """Backpressure through the relay: while the client reads nothing, the router stops reading the
-    engine (which then cannot write on); once it reads, it gets the engine's bytes exactly."""
+    engine (which then cannot write on); once it reads, it gets the engine's bytes exactly. Pooled:
+    a short stream first, so the big one finds an idle upstream connection and goes the task-less
+    way (router/stream_now.py), where the drain is a callback."""
     from router_helpers import serve_app, wait_for
 
     events, progress = 4000, {"sent": 0}
@@ -166,18 +185,16 @@ async def test_a_client_that_stops_reading_holds_the_engine_back_and_then_gets_e
         async with running_router(tolerant(), primary=url) as router:
             await wait_for(lambda: router.services["tiny"].routable() is not None, what="primary ready")
             reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
-            body = b'{"model": "tiny", "prompt": "x", "max_tokens": 4000, "stream": true}'
-            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+            if pooled:
+                writer.write(stream_request(2))
+                assert len(sse_bodies(await read_chunked(reader))[0]) == len(progress["bytes"])
+                progress["sent"] = 0
+            writer.write(stream_request(events))
             await writer.drain()
             await asyncio.sleep(1.0)  # reading nothing
             held = progress["sent"]
             assert 0 < held < events, f"the engine wrote {held} of {events} events while the client read nothing"
-            raw = bytearray()
-            while not raw.endswith(b"\r\n0\r\n\r\n"):
-                data = await asyncio.wait_for(reader.read(1 << 20), 10)
-                assert data, "the router closed the connection before the stream's end"
-                raw += data
+            raw = await read_chunked(reader)
             writer.close()
-    got = sse_bodies(bytes(raw))
+    got = sse_bodies(raw)
     assert got == [progress["bytes"]]
