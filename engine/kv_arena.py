@@ -2,7 +2,7 @@
 its chunks views of it (``engine.kv_cache.KVPool``).
 
 Why: a view of consecutive blocks then spans chunks, so decode attends on the pool in place
-(``KVPool._view``) whichever chunks a batch's blocks lie in. The range is mapped ``MAP_NORESERVE``:
+(``Arena.rows``, for tables that ``equally_spaced`` finds) whichever chunks a batch's blocks lie in. The range is mapped ``MAP_NORESERVE``:
 it costs address space, not memory. A page is committed when a chunk is zeroed and handed back to
 the kernel (``MADV_DONTNEED``) when the chunk is dropped, so the process holds what the pool holds,
 as with a tensor per chunk; nothing in use moves. Where the kernel refuses the range (strict
@@ -57,3 +57,28 @@ class Arena:
             b = (base + end * self.block_bytes) // page * page
             if b > a:
                 self._map.madvise(mmap.MADV_DONTNEED, a, b - a)
+
+    def rows(self, layer: int, first: int, spacing: int, rows: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [rows, kv_heads, positions, head_dim] of row r = the blocks from ``first + r *
+        spacing``: views, no copy (in a plane a block's positions follow the last block's)."""
+        plane = self.tensor[:, layer]  # [2, blocks, block_size, kv_heads, head_dim]
+        which, block, _, hkv, d = plane.stride()[:2] + plane.shape[2:]
+        kv = plane.as_strided((2, rows, hkv, positions, d), (which, spacing * block, d, hkv * d, 1),
+                              plane.storage_offset() + first * block)
+        return kv[0], kv[1]
+
+
+def equally_spaced(tables, width: int, end: int) -> tuple[int, int] | None:
+    """(first id, spacing) when row r's table (up to ``width`` blocks) is the consecutive ids from
+    ``first + r * spacing``, spacing > 0, and ``width`` blocks from the last row's first lie below
+    ``end`` (a short row's view runs on into blocks it does not own: masked, and finite, chunks being
+    zeroed); else None."""
+    first = tables[0][0]
+    spacing = tables[1][0] - first if len(tables) > 1 else 1
+    if spacing <= 0 or tables[-1][0] + width > end:
+        return None
+    for r, t in enumerate(tables):
+        start = first + r * spacing
+        if tuple(t[:width]) != tuple(range(start, start + min(len(t), width))):
+            return None
+    return first, spacing

@@ -17,8 +17,8 @@ cache. Decode on CUDA (``fused``) reads the blocks in place: one Triton kernel p
 step's k/v at their slots, another attends through the block tables (``engine.fused``), reaching
 every chunk from one base pointer (``anchor``) plus an element offset per (k or v, layer, block)
 (``offsets``, rewritten at each resize; the anchor and the offsets tensor never move, so CUDA graphs
-captured over them stay valid). Decode on CPU attends on a strided view of one chunk when every
-row's blocks are consecutive ids, the rows equally spaced (``strided``: what the block manager's
+captured over them stay valid). Decode on CPU attends on a strided view of the pool when the rows'
+blocks are consecutive and equally spaced (``strided``, ``engine.kv_arena``: what the block manager's
 runways give a batch admitted together), with no copy; else it gathers each row's blocks into
 contiguous K/V (by runs of consecutive ids, or by index) and runs torch SDPA on them.
 """
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from engine import fused
 from engine.config import KV_BLOCK_SIZE, kv_block_bytes
-from engine.kv_arena import Arena
+from engine.kv_arena import Arena, equally_spaced
 
 log = structlog.get_logger(__name__)
 DEFAULT_BLOCK_SIZE = KV_BLOCK_SIZE
@@ -78,7 +78,7 @@ class AttentionBatch:
     lens: torch.Tensor | None = None
     split: bool = True  # fused decode: split along the context (False: one program per row, kv head)
     # CPU decode with no gather: (first id, spacing): row r's blocks are the ``table_blocks``
-    # consecutive ids from ``first + r * spacing`` (see ``_strided``)
+    # consecutive ids from ``first + r * spacing`` (``kv_arena.equally_spaced``)
     strided: tuple[int, int] | None = None
 
 
@@ -237,29 +237,13 @@ class KVPool:
         mask = None
         if min(positions) + 1 != n:  # ragged contexts: mask each row's tail
             mask = (torch.arange(n, device=dev) < (pos + 1).unsqueeze(1)).view(len(positions), 1, 1, n)
-        strided = None if self.fused else self._strided(tables, width)
+        strided = None if self._arena is None else equally_spaced(tables, width, self.num_blocks)
         if strided is not None:
             return AttentionBatch(pos.unsqueeze(1), False, self._by_chunk(slots, None, bs), table_blocks=width,
                                   context_len=n, mask=mask, strided=strided)
         return AttentionBatch(pos.unsqueeze(1), False, self._by_chunk(slots, None, bs),
                               self._by_chunk(flat, None, 1), None if self.fused else self._runs(flat),
                               width, n, mask)
-
-    def _strided(self, tables, width: int) -> tuple[int, int] | None:
-        """(first id, spacing) when row r's table (up to ``width`` blocks) is the consecutive ids
-        from ``first + r * spacing``, spacing > 0, and ``width`` blocks from the last row's first
-        lie in the pool (in one chunk without the arena). A short row's view runs on into blocks it
-        does not own: masked, and finite, chunks being zeroed. Else None."""
-        first = tables[0][0]
-        spacing = tables[1][0] - first if len(tables) > 1 else 1
-        end = self.num_blocks if self._arena is not None else self._chunk_end(self._chunk_of(first))
-        if spacing <= 0 or tables[-1][0] + width > end:
-            return None
-        for r, t in enumerate(tables):
-            start = first + r * spacing
-            if tuple(t[:width]) != tuple(range(start, start + min(len(t), width))):
-                return None
-        return first, spacing
 
     def _pad(self, table, width: int) -> tuple[int, ...]:
         """Blocks that fill a short row up to ``width``: any real block will do (it is masked; every
@@ -338,7 +322,10 @@ class KVPool:
                 dst.index_copy_(0, local, tokens if rows is None else tokens.index_select(0, rows))
         if batch.prefill:
             return self._prefill_attention(layer, q, k, v, batch)
-        keys, values = self._view(layer, batch) if batch.strided else self._gather(layer, batch)
+        if batch.strided:
+            keys, values = self._arena.rows(layer, *batch.strided, b, batch.context_len)
+        else:
+            keys, values = self._gather(layer, batch)
         if t != 1:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
         # one token per row: the G query heads sharing a kv head attend as G queries of that head, so
@@ -370,20 +357,6 @@ class KVPool:
         if self._scratch is None or self._scratch.numel() < numel:
             self._scratch = torch.zeros(numel, dtype=self.dtype, device=self.device)
         return self._scratch[:numel].view(shape)
-
-    def _view(self, layer: int, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [B, Hkv, context_len, D] of a ``strided`` batch: views of the chunk, no copy."""
-        first, spacing = batch.strided
-        if self._arena is not None:
-            plane = self._arena.tensor[:, layer]  # [2, blocks, block_size, Hkv, D], blocks in a row
-        else:
-            c = self._chunk_of(first)
-            plane, first = self.chunks[c][:, layer], first - self.starts[c]
-        which, block = plane.stride()[:2]
-        hkv, d = self.kv_heads, self.head_dim
-        kv = plane.as_strided((2, batch.positions.shape[0], hkv, batch.context_len, d),
-                              (which, spacing * block, d, hkv * d, 1), plane.storage_offset() + first * block)
-        return kv[0], kv[1]
 
     def _gather(self, layer: int, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's blocks as contiguous positions: K and V, each [B, Hkv, context_len, D]."""
