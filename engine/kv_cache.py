@@ -17,8 +17,10 @@ cache. Decode on CUDA (``fused``) reads the blocks in place: one Triton kernel p
 step's k/v at their slots, another attends through the block tables (``engine.fused``), reaching
 every chunk from one base pointer (``anchor``) plus an element offset per (k or v, layer, block)
 (``offsets``, rewritten at each resize; the anchor and the offsets tensor never move, so CUDA graphs
-captured over them stay valid). Decode on CPU gathers each row's blocks into contiguous K/V and
-runs torch SDPA on them.
+captured over them stay valid). Decode on CPU attends on a strided view of the pool when the rows'
+blocks are consecutive and equally spaced (``strided``, ``engine.kv_arena``: what the block manager's
+runways give a batch admitted together), with no copy; else it gathers each row's blocks into
+contiguous K/V (by runs of consecutive ids, or by index) and runs torch SDPA on them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 
 from engine import fused
 from engine.config import KV_BLOCK_SIZE, kv_block_bytes
+from engine.kv_arena import Arena, equally_spaced
 
 log = structlog.get_logger(__name__)
 DEFAULT_BLOCK_SIZE = KV_BLOCK_SIZE
@@ -74,6 +77,9 @@ class AttentionBatch:
     tables: torch.Tensor | None = None
     lens: torch.Tensor | None = None
     split: bool = True  # fused decode: split along the context (False: one program per row, kv head)
+    # CPU decode with no gather: (first id, spacing): row r's blocks are the ``table_blocks``
+    # consecutive ids from ``first + r * spacing`` (``kv_arena.equally_spaced``)
+    strided: tuple[int, int] | None = None
 
 
 class KVPool:
@@ -89,6 +95,9 @@ class KVPool:
         # CPU: where each layer's gathered K and V go, reused (a fresh tensor per layer cost a fresh
         # mapping of its pages each time: 2-3x the gather and attention themselves at 16 x 512)
         self._scratch: torch.Tensor | None = None  # flat; K then V, see _gather_buffer
+        # CPU: every chunk a view of one reserved range (engine.kv_arena), so one view spans chunks
+        self._arena = None if self.device.type != "cpu" else Arena.reserve(
+            (2, layers, max_blocks, block_size, kv_heads, head_dim), dtype)
         if self.fused:  # see the module doc: what the kernels address the chunks through
             self.anchor = torch.empty(64, dtype=dtype, device=self.device)
             self.offsets = torch.zeros((2, layers, max_blocks), dtype=torch.long, device=self.device)
@@ -142,8 +151,9 @@ class KVPool:
         chunks, total = list(self.chunk_blocks), self.num_blocks
         if target > total:
             return (*chunks, *_split(target - total))
-        keep = max(target, total - free_tail)  # below this a used block would go
-        while chunks and total > keep and total - chunks[-1] >= total - free_tail:
+        used_top = total - free_tail  # below this a used block would go
+        keep = max(target, used_top)
+        while chunks and total > keep and total - chunks[-1] >= used_top:  # (a dropped chunk's blocks are lost)
             total -= chunks.pop()
         if total < keep:
             chunks.append(keep - total)
@@ -161,6 +171,8 @@ class KVPool:
         while keep < min(len(chunks), len(self.chunks)) and chunks[keep] == self.chunks[keep].shape[2]:
             keep += 1
         dropped = len(self.chunks) > keep
+        if dropped and self._arena is not None:
+            self._arena.release(self.starts[keep], self.num_blocks)
         del self.chunks[keep:], self.starts[keep:]
         if dropped and self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the memory back to the driver, not just to torch's cache
@@ -168,7 +180,11 @@ class KVPool:
         # the fused kernels never load a position past a row's length (masked loads), so their
         # chunks need no zeroing: that memset was a GPU-wide pass over every GiB a promotion adds
         make = torch.empty if self.fused else torch.zeros
-        new = [make(shape[:2] + (n,) + shape[3:], dtype=self.dtype, device=self.device) for n in chunks[keep:]]
+        new, at = [], self.num_blocks
+        for n in chunks[keep:]:
+            new.append(self._arena.chunk(at, n) if self._arena is not None else
+                       make(shape[:2] + (n,) + shape[3:], dtype=self.dtype, device=self.device))
+            at += n
         for chunk in new:
             self.starts.append(self.num_blocks)
             self.chunks.append(chunk)
@@ -221,6 +237,10 @@ class KVPool:
         mask = None
         if min(positions) + 1 != n:  # ragged contexts: mask each row's tail
             mask = (torch.arange(n, device=dev) < (pos + 1).unsqueeze(1)).view(len(positions), 1, 1, n)
+        strided = None if self._arena is None else equally_spaced(tables, width, self.num_blocks)
+        if strided is not None:
+            return AttentionBatch(pos.unsqueeze(1), False, self._by_chunk(slots, None, bs), table_blocks=width,
+                                  context_len=n, mask=mask, strided=strided)
         return AttentionBatch(pos.unsqueeze(1), False, self._by_chunk(slots, None, bs),
                               self._by_chunk(flat, None, 1), None if self.fused else self._runs(flat),
                               width, n, mask)
@@ -302,7 +322,10 @@ class KVPool:
                 dst.index_copy_(0, local, tokens if rows is None else tokens.index_select(0, rows))
         if batch.prefill:
             return self._prefill_attention(layer, q, k, v, batch)
-        keys, values = self._gather(layer, batch)
+        if batch.strided:
+            keys, values = self._arena.rows(layer, *batch.strided, b, batch.context_len)
+        else:
+            keys, values = self._gather(layer, batch)
         if t != 1:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
         # one token per row: the G query heads sharing a kv head attend as G queries of that head, so

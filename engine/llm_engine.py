@@ -64,8 +64,10 @@ class LLMEngine:
         # prompt tokens prefilled per step while other sequences decode (0: whole prompts at once)
         self.prefill_chunk = runner.cfg.prefill_chunk if prefill_chunk is None else prefill_chunk
         kv = runner.kv
-        self.scheduler = Scheduler(BlockManager(kv.num_blocks, kv.block_size), runner.cfg.max_batch,
-                                   runner.max_len, eos_ids)
+        # runways (consecutive blocks per sequence) serve the CPU's copy-free decode; CUDA reads
+        # blocks in place and keeps plain lowest-first allocation
+        self.scheduler = Scheduler(BlockManager(kv.num_blocks, kv.block_size, runways=not kv.fused),
+                                   runner.cfg.max_batch, runner.max_len, eos_ids)
         self.texts: dict[str, IncrementalText] = {}
         self._last_step_end, self._log_steps = time.perf_counter(), 0
         self._blocked = False  # the last step found every sequence waiting for a bigger pool

@@ -92,7 +92,8 @@ class Scheduler:
         admitted = []
         while self.waiting and len(self.running) < self.max_batch and self.blocks.can_allocate(self.waiting[0]):
             seq = self.waiting.popleft()
-            self.blocks.allocate(seq)
+            # room to grow into consecutive ids: the blocks of its prompt and every token it may draw
+            self.blocks.allocate(seq, upto=min(self.max_len, len(seq.prompt_ids) + seq.params.max_tokens))
             seq.status, seq.pending = Status.RUNNING, seq.length
             bisect.insort(self.running, seq, key=lambda s: s.order)
             admitted.append(seq)

@@ -98,3 +98,52 @@ def test_admission_waits_for_the_batch_cap_and_for_blocks_in_arrival_order():
     sched.finish(short1, "stop")
     prefill, _ = sched.schedule()
     assert prefill == [long] and bm.num_free == 0
+
+
+def test_runways_keep_a_sequence_in_consecutive_blocks_as_it_grows():
+    bm = BlockManager(16, block_size=4, runways=True)
+    a, b = seq(5, "a"), seq(4, "b")
+    bm.allocate(a, upto=16)  # 2 blocks now, 4 in all: a runway of 2
+    bm.allocate(b, upto=8)
+    assert a.block_table == [0, 1] and b.block_table == [4]  # b placed after a's runway
+    assert (bm.num_used, bm.num_free) == (3, 13)  # a runway's blocks count as free
+    a.output_ids += [9] * 4  # length 9: a third block, the next id
+    bm.may_append(a)
+    b.output_ids += [9] * 1  # length 5: b's second block, from its runway
+    bm.may_append(b)
+    assert a.block_table == [0, 1, 2] and b.block_table == [4, 5]
+    bm.free(a)  # its runway too
+    assert bm.num_free == 14 and bm.num_used == 2
+    c = seq(13, "c")  # 4 blocks: the lowest free run that holds them is 0..3
+    bm.allocate(c, upto=13)
+    assert c.block_table == [0, 1, 2, 3]
+
+
+def test_runways_never_refuse_a_block_and_a_shrink_cuts_them():
+    bm = BlockManager(8, block_size=4, runways=True)
+    a = seq(4, "a")
+    bm.allocate(a, upto=32)  # the whole pool: 1 block used, 7 reserved
+    b = seq(9, "b")
+    assert bm.can_allocate(b)
+    bm.allocate(b)  # no free run outside the runway: it takes the runway's last blocks
+    assert b.block_table == [7, 6, 5] and bm.num_free == 4
+    a.output_ids.append(9)
+    bm.may_append(a)
+    assert a.block_table == [0, 1]  # the runway's head is still a's
+    bm.free(b)
+    assert bm.free_tail() == 6
+    bm.resize(3)  # cuts a's runway at the new end
+    assert bm.num_free == 1
+    a.output_ids += [9] * 4
+    bm.may_append(a)
+    assert a.block_table == [0, 1, 2] and bm.num_free == 0
+
+
+def test_without_runways_growth_takes_the_lowest_free_block():
+    bm = BlockManager(8, block_size=4)
+    a, b = seq(4, "a"), seq(4, "b")
+    bm.allocate(a, upto=32)
+    bm.allocate(b, upto=32)
+    a.output_ids.append(9)
+    bm.may_append(a)
+    assert a.block_table == [0, 2] and b.block_table == [1]

@@ -175,3 +175,26 @@ def test_a_floor_below_one_block_or_above_the_budget_is_refused(tiny_model):
     with pytest.raises(ConfigError, match="--kv-min-memory must be positive and at most --kv-memory"):
         build_llm_engine(tiny_model, max_model_len=MAX_LEN, kv_block_size=BLOCK, kv_memory=4 * BLOCK_BYTES,
                          kv_min_memory=5 * BLOCK_BYTES)
+
+
+def test_a_batch_admitted_together_decodes_on_a_view_of_its_runways_as_transformers_does(tiny_model):
+    """CPU: sequences admitted in one step each get a runway of consecutive blocks, so their decode
+    attends on one strided view of the pool (no gather); ragged prompts, the same max_tokens."""
+    engine = small_engine(tiny_model, blocks=64)
+    kv, seen = engine.runner.kv, []
+    decode_batch = kv.decode_batch
+
+    def spy(tables, positions):
+        batch = decode_batch(tables, positions)
+        seen.append(batch.strided)
+        return batch
+
+    kv.decode_batch = spy
+    prompts = [PROMPTS[1], PROMPTS[1][::-1], PROMPTS[3] + [1]]  # ragged: 12, 12, 10 tokens
+    seqs = [make_seq(f"v{i}", p, max_tokens=12, ignore_eos=True) for i, p in enumerate(prompts)]
+    out = run_engine(engine, seqs)
+    # 24 tokens a row at most (6 blocks): rows 6 blocks apart; the 10-token row's runway is 6 too
+    assert seen and all(s is not None and s[1] == 6 for s in seen[:10]), seen
+    for p, s in zip(prompts, seqs):
+        ref = hf_logits(tiny_model, p + out[s.id][0])[len(p) - 1:-1]
+        assert ref.argmax(-1).tolist() == out[s.id][0]  # greedy tokens identical

@@ -1,7 +1,9 @@
-"""The CPU decode attention of the paged pool (``KVPool.attend``: the gather of each row's blocks, by
-runs of consecutive ids or by index, then SDPA with a kv head's G query heads as G queries) equals
-SDPA with ``enable_gqa`` on each row's own contiguous K/V: ragged lengths ending inside and on block
-boundaries, GQA group 4, tables inside one chunk, across chunks, and scattered."""
+"""The CPU decode attention of the paged pool (``KVPool.attend``: a strided view of the pool when the
+rows' blocks are consecutive and equally spaced, else the gather of each row's blocks, by runs of
+consecutive ids or by index; then SDPA with a kv head's G query heads as G queries) equals SDPA with
+``enable_gqa`` on each row's own contiguous K/V: ragged lengths ending inside and on block boundaries,
+GQA group 4, tables inside one chunk, across chunks, and scattered. The chunks are views of one
+reserved range that a dropped chunk's pages go back from; a shrink never drops a used block."""
 
 from __future__ import annotations
 
@@ -34,9 +36,9 @@ def contiguous(pool: KVPool, which: int, layer: int, table, n: int) -> torch.Ten
     return torch.cat(blocks)[:n].transpose(0, 1)
 
 
-def check(pool: KVPool, tables, positions, *, runs: bool) -> None:
+def check(pool: KVPool, tables, positions, *, runs: bool, strided: bool = False) -> None:
     batch = pool.decode_batch(tables, positions)
-    assert (batch.runs is not None) == runs
+    assert (batch.runs is not None) == runs and (batch.strided is not None) == strided
     gen = torch.Generator().manual_seed(2)
     b = len(tables)
     for layer in range(LAYERS):
@@ -55,7 +57,7 @@ def test_ragged_rows_of_consecutive_blocks_gathered_by_runs(chunks):
     pool = pool_with_chunks(chunks)
     # rows of consecutive ids (as lowest-first allocation gives them) plus a grown last block each;
     # lengths end mid-block, on a block's last position and at a block's first
-    tables = ((0, 1, 2, 30), (3, 4, 5, 6, 31), (7, 8, 32), (9, 10, 11, 12, 13, 33))
+    tables = ((0, 1, 2, 30), (3, 4, 5, 6, 31), (7, 8, 32), (9, 10, 11, 12, 13, 33))  # unequal spacing
     positions = (13, 19, 8, 23)  # contexts 14, 20 (5 full blocks), 9 (one into the 3rd), 24
     check(pool, tables, positions, runs=True)
 
@@ -75,6 +77,45 @@ def test_scattered_blocks_across_chunks_fall_back_to_the_index_gather():
 def test_equal_lengths_need_no_mask_and_one_run_copies_the_whole_batch():
     pool = pool_with_chunks((40,))
     tables = tuple(tuple(range(5 * r, 5 * r + 5)) for r in range(4))
+    tables = (*tables[:3], (20, 21, 22, 23, 24))  # no longer equally spaced: no view
     batch = pool.decode_batch(tables, (19,) * 4)
-    assert batch.mask is None and batch.runs == ((0, 0, 20),)
+    assert batch.mask is None and batch.strided is None and batch.runs == ((0, 0, 15), (0, 20, 5))
     check(pool, tables, (19,) * 4, runs=True)
+
+
+@pytest.mark.parametrize("chunks", [(40,), (9, 13, 18)])
+def test_equally_spaced_rows_of_consecutive_blocks_attend_on_a_view_across_chunks(chunks):
+    pool = pool_with_chunks(chunks)
+    # what the block manager's runways give: row r at 2 + 9r, grown into its runway; ragged lengths,
+    # the short rows' views running on into the next row's blocks (masked); rows cross chunk ends
+    tables = tuple(tuple(range(2 + 9 * r, 2 + 9 * r + n)) for r, n in enumerate((5, 3, 7, 1)))
+    check(pool, tables, (19, 10, 25, 0), runs=False, strided=True)
+    assert pool.decode_batch(tables[:1], (19,)).strided == (2, 1)  # one row: a view too
+
+
+def test_chunks_are_views_of_one_range_and_a_dropped_chunk_gives_its_pages_back():
+    layers, blocks = 4, 512  # 4 * 2 * 512 blocks of 4 KiB: 16 MiB a chunk
+    pool = KVPool(layers, 4, 64, 4, torch.float32, "cpu", min_blocks=1, max_blocks=2 * blocks)
+    pool.resize((blocks, blocks))
+    a, b = pool.chunks
+    assert b.data_ptr() - a.data_ptr() == blocks * a.stride(2) * a.element_size()  # one block id space
+    b.fill_(1.0)
+    before = rss()
+    pool.resize((blocks,))
+    assert before - rss() >= 0.9 * b.nbytes
+    pool.resize((blocks, blocks))
+    assert not pool.chunks[1].any() and rss() >= before - 0.1 * b.nbytes  # zeroed again, committed again
+
+
+def test_a_shrink_keeps_every_chunk_that_holds_a_used_block():
+    pool = pool_with_chunks((4, 4, 4, 4, 12, 12, 12))
+    bpb = pool.bytes_per_block
+    # blocks up to 19 used (inside the first 12-block chunk): that chunk stays, the two above go
+    assert pool.plan_resize(16 * bpb, free_tail=52 - 20) == (4, 4, 4, 4, 12)
+    assert pool.plan_resize(16 * bpb, free_tail=52 - 16) == (4, 4, 4, 4)
+    assert pool.plan_resize(22 * bpb, free_tail=52 - 16) == (4, 4, 4, 4, 6)  # a smaller free one instead
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
