@@ -40,9 +40,17 @@ class Arena:
             return None
 
     def chunk(self, first: int, blocks: int) -> torch.Tensor:
-        """Blocks ``first .. first + blocks - 1`` as a zeroed chunk, [2, layers, blocks, ...]."""
+        """Blocks ``first .. first + blocks - 1`` as a zeroed chunk, [2, layers, blocks, ...].
+        Raises RuntimeError, touching nothing, when the kernel has less memory available than the
+        chunk needs: a page of the reserved range is only committed when written, so without this
+        check a grow past the free memory would meet the OOM killer instead of an error (a failed
+        grow must leave the engine serving with the pool it had)."""
         if not 0 <= first and first + blocks <= self.max_blocks:
             raise ValueError(f"blocks {first}..{first + blocks - 1} lie past the reserved {self.max_blocks}")
+        need, free = self.planes * blocks * self.block_bytes, available_bytes()
+        if free is not None and need > free:
+            raise RuntimeError(f"cannot grow the KV pool by {need} bytes ({blocks} blocks): the kernel has "
+                               f"{free} bytes available (MemAvailable)")
         view = self.tensor[:, :, first:first + blocks]
         view.zero_()
         return view
@@ -66,6 +74,19 @@ class Arena:
         kv = plane.as_strided((2, rows, hkv, positions, d), (which, spacing * block, d, hkv * d, 1),
                               plane.storage_offset() + first * block)
         return kv[0], kv[1]
+
+
+def available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The kernel's estimate of memory available without swapping (MemAvailable), or None where
+    there is none (not Linux)."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def equally_spaced(tables, width: int, end: int) -> tuple[int, int] | None:

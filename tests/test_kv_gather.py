@@ -116,6 +116,24 @@ def test_a_shrink_keeps_every_chunk_that_holds_a_used_block():
     assert pool.plan_resize(22 * bpb, free_tail=52 - 16) == (4, 4, 4, 4, 6)  # a smaller free one instead
 
 
+def test_a_grow_past_the_available_memory_fails_with_an_error_and_keeps_the_pool():
+    from engine.kv_arena import available_bytes
+
+    layers, bs, per_block = 4, 4, 2 * 4 * 4 * 4 * 64 * 4  # bytes of one block id over k, v and layers
+    free = available_bytes()
+    blocks = free // per_block + 1024  # a chunk more than the machine has, reserved but not touched
+    pool = KVPool(layers, 4, 64, bs, torch.float32, "cpu", min_blocks=1, max_blocks=blocks + 8)
+    pool.resize((8,))
+    pool.chunks[0].fill_(2.0)
+    before = rss()
+    with pytest.raises(RuntimeError, match="cannot grow the KV pool by .* bytes available"):
+        pool.resize((8, blocks))
+    assert [c.shape[2] for c in pool.chunks] == [8] and pool.num_blocks == 8 and (pool.chunks[0] == 2.0).all()
+    assert rss() - before < 64 << 20  # nothing of the refused chunk was committed
+    pool.resize((8, 8))  # and a grow that fits still works
+    assert pool.num_blocks == 16 and not pool.chunks[1].any()
+
+
 def rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
