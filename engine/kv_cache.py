@@ -96,7 +96,8 @@ class KVPool:
         # mapping of its pages each time: 2-3x the gather and attention themselves at 16 x 512)
         self._scratch: torch.Tensor | None = None  # flat; K then V, see _gather_buffer
         # CPU: every chunk a view of one reserved range (engine.kv_arena), so one view spans chunks
-        self._arena = None if self.device.type != "cpu" else Arena.reserve(
+        # (not for the fused kernels, the Triton interpreter's on CPU: they read blocks in place)
+        self._arena = None if self.device.type != "cpu" or self.fused else Arena.reserve(
             (2, layers, max_blocks, block_size, kv_heads, head_dim), dtype)
         if self.fused:  # see the module doc: what the kernels address the chunks through
             self.anchor = torch.empty(64, dtype=dtype, device=self.device)
