@@ -249,6 +249,9 @@ class Node:
         self.proc.send_signal(sig)
         try:
             code = self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"failover up did not exit within 60 s of signal {sig}; its log ends:\n"
+                                 f"{self.log()[-4000:]}") from None
         finally:
             self._log.close()
         assert code == 0, f"failover up exited with {code}:\n{self.log()[-3000:]}"
