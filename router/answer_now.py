@@ -179,8 +179,12 @@ class Direct:
             recovery.begin()
             self.proxy.promoter.passive_failure(self.inst, self.generation, kind, detail)
         self.front.in_task(self.proxy.carry_on(self.req, self.target, self.service, self.body, self.t0,
-                                               recovery, failure), self.n, self.req.path,
+                                               recovery, failure, *self._carried()), self.n, self.req.path,
                            lambda: self._dropped(recovery))
+
+    def _carried(self) -> tuple:
+        """What the task path takes over besides the request (a stream: its relay as it stands)."""
+        return ()
 
     def _dropped(self, recovery: Recovery) -> None:
         """The client went away before the carry-on's task ran a line: what ``Proxy._run`` ends."""

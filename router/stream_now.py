@@ -19,7 +19,7 @@ import asyncio
 import structlog
 
 from router.answer_now import Direct
-from router.backend import Attempt, Recovery, Service
+from router.backend import Attempt, Service
 from router.errors import BackendFailed
 from router.stream import ClientGone, StreamRelay
 from router.upstream import ProtocolError
@@ -204,18 +204,6 @@ class DirectStream(Direct):
     def _tail_done(self, up) -> None:
         self._release()
 
-    def _failed(self, kind: str | None, detail: str) -> None:
-        if self.over:
-            return
-        self.over = True
-        self._release()
-        recovery = Recovery(self.service)
-        failure = None
-        if kind is not None:
-            failure = BackendFailed(self.inst.name, kind, detail)
-            recovery.begin()
-            self.proxy.promoter.passive_failure(self.inst, self.generation, kind, detail)
-        self.front.in_task(self.proxy.carry_on(self.req, self.target, self.service, self.body, self.t0,
-                                               recovery, failure, self.relay), self.n, self.req.path,
-                           lambda: self._dropped(recovery))
+    def _carried(self) -> tuple:
+        return (self.relay,)
 
