@@ -198,7 +198,8 @@ class KVPool:
         for start, chunk in zip(self.starts, self.chunks):
             n = chunk.shape[2]
             gap = chunk.data_ptr() - self.anchor.data_ptr()
-            assert gap % elem == 0, "chunks are allocated aligned to their element size"
+            # the kernels load and store K/V rows as 16-byte vectors (engine.fused._align)
+            assert gap % 16 == 0, "chunks are allocated 16-byte aligned"
             which_layer = torch.arange(2 * self.layers).view(2, self.layers, 1)
             local = (which_layer * n + torch.arange(n).view(1, 1, n)) * per_block + gap // elem
             self.offsets[:, :, start:start + n].copy_(local)
@@ -334,6 +335,22 @@ class KVPool:
         g = q.shape[1] // hkv
         o = F.scaled_dot_product_attention(q.reshape(b, hkv, g, d), keys, values, attn_mask=batch.mask)
         return o.view(b, hkv * g, 1, d)
+
+    @staticmethod
+    def rotates(batch: AttentionBatch) -> bool:
+        """The step is a fused (CUDA) decode: ``attend_rotating`` takes its q/k before RoPE."""
+        return batch.slots is not None and not batch.prefill
+
+    def attend_rotating(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope,
+                        batch: AttentionBatch) -> torch.Tensor:
+        """``attend`` of a fused decode step (one token per row) whose q/k are not rotated yet:
+        the rotation and the K/V store are one kernel. q [B, 1, H, D], k/v [B, 1, Hkv, D] -> [B, H, 1, D]."""
+        b, t, h, d = q.shape
+        assert t == 1, "a decode step has one token per row"
+        q = fused.rope_store_kv(self, layer, q.reshape(b, h, d), k.reshape(b, -1, d), v.reshape(b, -1, d),
+                                rope.positions.reshape(b), rope.cos_table, rope.sin_table, batch.slots)
+        attend = fused.paged_decode if batch.split else fused.paged_decode_unsplit
+        return attend(self, layer, q, batch.tables, batch.lens).unsqueeze(2)
 
     def _prefill_attention(self, layer: int, q, k, v, batch: AttentionBatch) -> torch.Tensor:
         """Causal attention of a prefill's fresh q/k/v; a chunk past position 0 (one row) also
