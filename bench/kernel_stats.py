@@ -36,7 +36,7 @@ def compile_stats(fn, pointers: dict, constexprs: dict, num_warps: int, num_stag
     # every pointer and stride 16-byte divisible, as torch's allocations and these shapes' strides are
     # (what Triton's launcher specializes on); the layer index is not specialized (do_not_specialize)
     div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-           if n not in constexprs and n not in FLOATS and n not in ("layer", "n")}
+           if n not in constexprs and n not in FLOATS and n != "layer"}
     src = ASTSource(fn, sig, {(names.index(k),): v for k, v in constexprs.items()}, div)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": num_warps, "num_stages": num_stages})

@@ -69,9 +69,12 @@ def _tile_bases(k_offsets, off_which, tables_ptr, stride_tw, stride_tb, b, kvh, 
     first = (start % BS) * (H_KV * D) + kvh * D  # nonzero position in the block only when BS > BLOCK_N
     k0 = tl.load(k_offsets + block, mask=pmask, other=0) + first
     v0 = tl.load(k_offsets + off_which + block, mask=pmask, other=0) + first
-    within = tl.arange(0, PAGE_N) * (H_KV * D)
-    k_at = tl.reshape(k0[:, None] + within[None, :], [BLOCK_N])
-    v_at = tl.reshape(v0[:, None] + within[None, :], [BLOCK_N])
+    if PAGE_N == 1:  # blocks of one position (a reshape of [BLOCK_N, 1] lost the alignment hint)
+        k_at, v_at = k0, v0
+    else:
+        within = tl.arange(0, PAGE_N) * (H_KV * D)
+        k_at = tl.reshape(k0[:, None] + within[None, :], [BLOCK_N])
+        v_at = tl.reshape(v0[:, None] + within[None, :], [BLOCK_N])
     return tl.multiple_of(k_at, ALIGN), tl.multiple_of(v_at, ALIGN)
 
 

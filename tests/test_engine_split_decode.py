@@ -94,9 +94,9 @@ print("ok")
 
 # (positions per span, programs to aim for, block size): 5 spans of a row's 79 positions, one program
 # each, or 2 programs (spans 0, 2, 4 and 1, 3) or 1 per row and kv head; 2 spans; a block size
-# that is not a power of two (each position's block looked up alone) and one larger than a span
+# that is not a power of two (each position's block looked up alone), one larger than a span and 1
 @pytest.mark.parametrize("split,programs,block", [(16, 1024, 4), (16, 16, 4), (16, 8, 4), (64, 1024, 4),
-                                                  (16, 16, 3), (16, 1024, 32)])
+                                                  (16, 16, 3), (16, 1024, 32), (16, 16, 1)])
 def test_split_and_unsplit_decode_equal_attention_over_each_rows_blocks(split, programs, block):
     pytest.importorskip("triton")
     out = triton_interp.run(SPLIT_CHECK, str(split), str(programs), str(block), "8", "2", "32", "79", "cpu", "float32")
