@@ -13,9 +13,9 @@ chunks so that a shrink can release part of it; the cost of a chunk is one more 
 step that touches it.
 
 Attention: prefill attends to its own fresh K/V (there is no prefix reuse) and only writes the
-cache. Decode on CUDA (``fused``) reads the blocks in place: one Triton kernel per layer stores the
-step's k/v at their slots, another attends through the block tables (``engine.fused``), reaching
-every chunk from one base pointer (``anchor``) plus an element offset per (k or v, layer, block)
+cache. Decode on CUDA (``fused``) reads the blocks in place: one Triton kernel per layer rotates q
+and k and stores k/v at their slots, another attends through the block tables (``engine.fused``),
+reaching every chunk from one base pointer (``anchor``) plus an element offset per (k or v, layer, block)
 (``offsets``, rewritten at each resize; the anchor and the offsets tensor never move, so CUDA graphs
 captured over them stay valid). Decode on CPU attends on a strided view of the pool when the rows'
 blocks are consecutive and equally spaced (``strided``, ``engine.kv_arena``: what the block manager's

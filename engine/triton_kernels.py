@@ -1,5 +1,5 @@
-"""Triton kernels of the CUDA path: paged-KV store and decode attention, RMSNorm (with the residual
-add), SwiGLU's ``silu(gate) * up``, and RoPE. ``engine.fused`` calls them (and holds the torch
+"""Triton kernels of the CUDA path: paged-KV store (with RoPE in a decode step) and decode attention,
+RMSNorm (with the residual add), SwiGLU's ``silu(gate) * up``, and RoPE. ``engine.fused`` calls them (and holds the torch
 reference of each, used on CPU); nothing else imports this module.
 
 The paged KV is a list of chunk tensors (``engine.kv_cache``). A kernel reaches any block of any
