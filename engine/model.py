@@ -61,7 +61,7 @@ class Attention(nn.Module):
         v = v.view(b, t, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if kv.rotates(batch):  # CUDA decode: RoPE and the K/V store in one kernel
+        if batch.rotating:  # CUDA decode: RoPE and the K/V store in one kernel
             o = kv.attend_rotating(layer, q, k, v, rope, batch)
         else:
             q, k = rope(q), rope(k)
