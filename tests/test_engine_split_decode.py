@@ -52,8 +52,8 @@ def reference(kv, layer, q, tables, lens):
 
 width = -(-longest // bs)  # blocks of the longest row
 kv = KVPool(2, kv_heads, dim, bs, dtype, device, min_blocks=8, max_blocks=4 * width)
-if device == "cpu":  # the fused path's addressing, as on CUDA
-    kv.fused = True
+if device == "cpu":  # the fused path's addressing and chunks, as on CUDA (no reserved range)
+    kv.fused, kv._arena = True, None
     kv.anchor = torch.empty(64, dtype=dtype)
     kv.offsets = torch.zeros((2, 2, 4 * width), dtype=torch.long)
 third = 4 * width // 3
