@@ -127,53 +127,99 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_
     return out.view(b, t, h, d)
 
 
+def rope_store_kv(kv, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos_table: torch.Tensor, sin_table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """A decode step's ``rope`` of q and k and ``store_kv`` of the rotated k and v, in one kernel:
+    q [N, H, D], k/v [N, Hkv, D] (each head's D contiguous), positions and slots [N] -> rotated q
+    [N, H, D]; the rotated k is written to the pool only. Computes what the three calls compute."""
+    n, h, d = q.shape
+    hkv = k.shape[1]
+    out = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
+    tk.rope_store_kv_kernel[(n, h + hkv)](
+        q, k, v, out, kv.anchor, kv.offsets, slots, positions, cos_table, sin_table, layer, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), cos_table.stride(0),
+        kv.offsets.stride(0), kv.offsets.stride(1), H=h, H_KV=hkv, D=d, BS=kv.block_size, HALF=d // 2,
+        BLOCK=_pow2(d // 2), ALIGN=_align(kv), num_warps=1 if d <= 128 else 2)
+    return out
+
+
 # --- the paged KV: store and decode attention ------------------------------------------------------
+def _align(kv) -> int:
+    """Elements in 16 bytes when every K/V row a kernel reads starts 16-byte aligned (the chunks are,
+    ``KVPool._write_offsets`` checks it, so a head's row is when its bytes are a multiple of 16): the
+    hint that lets a kernel load and store the gathered rows as 16-byte vectors (a load of unknown
+    alignment is one element per instruction; the decode kernel also spilled registers then)."""
+    elem = kv.anchor.element_size()
+    return 16 // elem if (kv.head_dim * elem) % 16 == 0 else 1
+
+
+def _page_n(kv, block_n: int) -> int:
+    """Positions of one block in a decode tile of ``block_n`` (0: a block size that is not a power of
+    two, whose tiles look each position's block up alone)."""
+    bs = kv.block_size
+    return min(bs, block_n) if bs & (bs - 1) == 0 else 0
+
+
 def store_kv(kv, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """k, v [N, Hkv, D] (rows contiguous) into the pool at ``slots`` [N] (global slot ids; < 0: skip)."""
     n, hkv, d = k.shape
     hd = hkv * d
     tk.store_kv_kernel[(n,)](k, v, kv.anchor, kv.offsets, slots, layer, k.stride(0), v.stride(0),
                              kv.offsets.stride(0), kv.offsets.stride(1), BS=kv.block_size, HD=hd,
-                             BLOCK=min(1024, _pow2(hd)))
+                             BLOCK=min(1024, _pow2(hd)), ALIGN=_align(kv))
 
 
-DECODE_SPLIT = 64  # positions per program of the split decode (one BLOCK_N tile for head_dim <= 128)
+DECODE_SPLIT = 64  # positions per span of the split decode (one tile for head_dim <= 128)
+DECODE_PROGRAMS = 1024  # the split decode's programs to aim for: a few per SM (~5 fit on an H200's)
+
+
+def decode_programs(batch: int, kv_heads: int, spans: int) -> int:
+    """Split programs per (row, kv head): enough that ``batch`` rows make ~``DECODE_PROGRAMS`` in
+    all, at most the ``spans`` the tables address. Fixed per batch size (a CUDA graph's launch), so
+    a row longer than that many spans gives each program a few."""
+    return max(1, min(spans, -(-DECODE_PROGRAMS // (batch * kv_heads))))
 
 
 def paged_decode(kv, layer: int, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """q [B, H, D] (one token per row) attends to each row's ``lens[b]`` positions, read in place
     through ``tables`` [width, >= B] (block ids, column b = row b) -> [B, H, D].
 
-    Split along the context (``DECODE_SPLIT`` positions per program, as many spans as ``tables``
-    can address, so a CUDA graph's launch covers any length), then the spans merged: one program per
-    (row, kv head) left a batch of one row with 8 programs on a GPU of 132 SMs."""
+    Split along the context (``decode_programs`` programs per row and kv head, each taking every
+    so many spans of ``DECODE_SPLIT`` positions; one launch covers any length the tables address, as
+    a CUDA graph needs), then the programs' parts merged: one program per (row, kv head) left a batch
+    of one row with 8 programs on a GPU of 132 SMs, and one per span of the widest table launched
+    thousands that found nothing to do."""
     b, h, d = q.shape
     group = h // kv.kv_heads
     out = torch.empty_like(q)
-    nsplit = -(-tables.shape[0] * kv.block_size // DECODE_SPLIT)
+    split = DECODE_SPLIT if d <= 128 else DECODE_SPLIT // 2
+    nsplit = decode_programs(b, kv.kv_heads, -(-tables.shape[0] * kv.block_size // split))
     part = torch.empty((b, h, nsplit, d), dtype=torch.float32, device=q.device)
     ml = torch.empty((b, h, nsplit, 2), dtype=torch.float32, device=q.device)
     tk.paged_decode_split_kernel[(b, kv.kv_heads, nsplit)](
         q, part, ml, kv.anchor, kv.offsets, tables, lens, layer, d ** -0.5,
         q.stride(0), q.stride(1), tables.stride(0), tables.stride(1), kv.offsets.stride(0), kv.offsets.stride(1),
-        H=h, H_KV=kv.kv_heads, GROUP=group, D=d, BS=kv.block_size, NSPLIT=nsplit, SPLIT=DECODE_SPLIT,
-        BLOCK_H=_pow2(group, 16), BLOCK_D=_pow2(d, 16), BLOCK_N=64 if d <= 128 else 32,
+        H=h, H_KV=kv.kv_heads, GROUP=group, D=d, BS=kv.block_size, NSPLIT=nsplit, SPLIT=split,
+        BLOCK_H=_pow2(group, 16), BLOCK_D=_pow2(d, 16), PAGE_N=_page_n(kv, split), ALIGN=_align(kv),
         IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
     tk.paged_decode_combine_kernel[(b, h)](part, ml, lens, out, out.stride(0), out.stride(1), H=h, D=d,
-                                           NSPLIT=nsplit, SPLIT=DECODE_SPLIT, BLOCK_S=_pow2(nsplit),
+                                           NSPLIT=nsplit, SPLIT=split, BLOCK_S=_pow2(nsplit),
                                            BLOCK_D=_pow2(d, 16), num_warps=4)
     return out
 
 
 def paged_decode_unsplit(kv, layer: int, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """The one-program-per-(row, kv head) kernel ``paged_decode`` replaced (kept for comparison)."""
+    """One program per (row, kv head): the step graphs' prefill rows (``paged_decode``'s per-program
+    parts would cost ~1 MiB a row there), and the kernel ``paged_decode`` replaced."""
     b, h, d = q.shape
     group = h // kv.kv_heads
     out = torch.empty_like(q)
+    block_n = 64 if d <= 128 else 32
     tk.paged_decode_kernel[(b, kv.kv_heads)](
         q, out, kv.anchor, kv.offsets, tables, lens, layer, d ** -0.5,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0), tables.stride(1),
         kv.offsets.stride(0), kv.offsets.stride(1),
         H_KV=kv.kv_heads, GROUP=group, D=d, BS=kv.block_size, BLOCK_H=_pow2(group, 16), BLOCK_D=_pow2(d, 16),
-        BLOCK_N=64 if d <= 128 else 32, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        BLOCK_N=block_n, PAGE_N=_page_n(kv, block_n), ALIGN=_align(kv), IEEE=q.dtype == torch.float32,
+        num_warps=4, num_stages=2)
     return out

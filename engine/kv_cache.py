@@ -9,18 +9,16 @@ pool only stores K/V where a step's block tables say.
 Why chunks: growing appends chunks and shrinking drops free chunks at the tail, so neither copies a
 block that is in use (a standby takes over a dead primary's memory with its sequences running, and
 gives memory back to a batch engine later). Each allocation is split into ``CHUNKS_PER_ALLOCATION``
-chunks so that a shrink can release part of it; the cost of a chunk is one more gather per layer in a
-step that touches it.
+chunks so that a shrink can release part of it.
 
 Attention: prefill attends to its own fresh K/V (there is no prefix reuse) and only writes the
-cache. Decode on CUDA (``fused``) reads the blocks in place: one Triton kernel per layer stores the
-step's k/v at their slots, another attends through the block tables (``engine.fused``), reaching
-every chunk from one base pointer (``anchor``) plus an element offset per (k or v, layer, block)
+cache. Decode on CUDA (``fused``) reads the blocks in place: one Triton kernel per layer rotates q
+and k and stores k/v at their slots, another attends through the block tables (``engine.fused``),
+reaching every chunk from one base pointer (``anchor``) plus an element offset per (k or v, layer, block)
 (``offsets``, rewritten at each resize; the anchor and the offsets tensor never move, so CUDA graphs
-captured over them stay valid). Decode on CPU attends on a strided view of the pool when the rows'
-blocks are consecutive and equally spaced (``strided``, ``engine.kv_arena``: what the block manager's
-runways give a batch admitted together), with no copy; else it gathers each row's blocks into
-contiguous K/V (by runs of consecutive ids, or by index) and runs torch SDPA on them.
+captured over them stay valid). Decode on CPU attends on a strided view of the pool, with no copy,
+when the rows' blocks are consecutive and equally spaced (``strided``, ``engine.kv_arena``); else it
+gathers each row's blocks into contiguous K/V (by runs, or by index) and runs torch SDPA on them.
 """
 
 from __future__ import annotations
@@ -81,6 +79,10 @@ class AttentionBatch:
     # consecutive ids from ``first + r * spacing`` (``kv_arena.equally_spaced``)
     strided: tuple[int, int] | None = None
 
+    @property
+    def rotating(self) -> bool:  # a fused (CUDA) decode: ``KVPool.attend_rotating`` takes q/k before RoPE
+        return self.slots is not None and not self.prefill
+
 
 class KVPool:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
@@ -92,8 +94,7 @@ class KVPool:
         self.chunks: list[torch.Tensor] = []
         self.starts: list[int] = []
         self.fused = fused.available(self.device)
-        # CPU: where each layer's gathered K and V go, reused (a fresh tensor per layer cost a fresh
-        # mapping of its pages each time: 2-3x the gather and attention themselves at 16 x 512)
+        # CPU: the gathered K and V, reused (fresh pages per layer cost 2-3x the gather at 16 x 512)
         self._scratch: torch.Tensor | None = None  # flat; K then V, see _gather_buffer
         # CPU: every chunk a view of one reserved range (engine.kv_arena), so one view spans chunks
         # (not for the fused kernels, the Triton interpreter's on CPU: they read blocks in place)
@@ -198,7 +199,8 @@ class KVPool:
         for start, chunk in zip(self.starts, self.chunks):
             n = chunk.shape[2]
             gap = chunk.data_ptr() - self.anchor.data_ptr()
-            assert gap % elem == 0, "chunks are allocated aligned to their element size"
+            # the kernels load and store K/V rows as 16-byte vectors (engine.fused._align)
+            assert gap % 16 == 0, "chunks are allocated 16-byte aligned"
             which_layer = torch.arange(2 * self.layers).view(2, self.layers, 1)
             local = (which_layer * n + torch.arange(n).view(1, 1, n)) * per_block + gap // elem
             self.offsets[:, :, start:start + n].copy_(local)
@@ -335,6 +337,17 @@ class KVPool:
         o = F.scaled_dot_product_attention(q.reshape(b, hkv, g, d), keys, values, attn_mask=batch.mask)
         return o.view(b, hkv * g, 1, d)
 
+    def attend_rotating(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope,
+                        batch: AttentionBatch) -> torch.Tensor:
+        """``attend`` of a fused decode step whose q/k are not rotated yet, rotation and K/V store in
+        one kernel. q [B, 1, H, D], k/v [B, 1, Hkv, D] -> [B, H, 1, D]."""
+        b, t, h, d = q.shape
+        assert t == 1, "a decode step has one token per row"
+        q = fused.rope_store_kv(self, layer, q.reshape(b, h, d), k.reshape(b, -1, d), v.reshape(b, -1, d),
+                                rope.positions.reshape(b), rope.cos_table, rope.sin_table, batch.slots)
+        attend = fused.paged_decode if batch.split else fused.paged_decode_unsplit
+        return attend(self, layer, q, batch.tables, batch.lens).unsqueeze(2)
+
     def _prefill_attention(self, layer: int, q, k, v, batch: AttentionBatch) -> torch.Tensor:
         """Causal attention of a prefill's fresh q/k/v; a chunk past position 0 (one row) also
         attends to the ``context_len`` positions before it, gathered from the pool."""
@@ -349,8 +362,7 @@ class KVPool:
 
     def _gather_buffer(self, count: int) -> torch.Tensor:
         """[2 (k, v), count blocks] to gather into: on CPU a view of a buffer kept for the next layer
-        and step (grown when a batch needs more; zeroed once, so that its unused part is finite),
-        elsewhere a new tensor (torch's CUDA allocator caches its blocks already)."""
+        and step (grown when needed; zeroed once, so that its unused part is finite), else a new tensor."""
         shape = (2, count, self.block_size, self.kv_heads, self.head_dim)
         if self.device.type != "cpu":
             return torch.empty(shape, dtype=self.dtype, device=self.device)

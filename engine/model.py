@@ -61,9 +61,12 @@ class Attention(nn.Module):
         v = v.view(b, t, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q), rope(k)
-        # [B, T, H, D] -> [B, H, T, D] for attention
-        o = kv.attend(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), batch)
+        if batch.rotating:  # CUDA decode: RoPE and the K/V store in one kernel
+            o = kv.attend_rotating(layer, q, k, v, rope, batch)
+        else:
+            q, k = rope(q), rope(k)
+            # [B, T, H, D] -> [B, H, T, D] for attention
+            o = kv.attend(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), batch)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
