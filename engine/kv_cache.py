@@ -19,8 +19,10 @@ every chunk from one base pointer (``anchor``) plus an element offset per (k or 
 (``offsets``, rewritten at each resize; the anchor and the offsets tensor never move, so CUDA graphs
 captured over them stay valid). Decode on CPU attends on a strided view of the pool when the rows'
 blocks are consecutive and equally spaced (``strided``, ``engine.kv_arena``: what the block manager's
-runways give a batch admitted together), with no copy; else it gathers each row's blocks into
-contiguous K/V (by runs of consecutive ids, or by index) and runs torch SDPA on them.
+runways give a batch admitted together), with no copy; when each row's blocks are consecutive but the
+rows are not equally spaced (a ragged batch), on each row's own view (``own``, ``engine.kv_rows``);
+else it gathers each row's blocks into contiguous K/V (by runs of consecutive ids, or by index) and
+runs torch SDPA on them.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 from engine import fused
 from engine.config import KV_BLOCK_SIZE, kv_block_bytes
 from engine.kv_arena import Arena, equally_spaced
+from engine.kv_rows import attend_rows, consecutive_rows
 
 log = structlog.get_logger(__name__)
 DEFAULT_BLOCK_SIZE = KV_BLOCK_SIZE
@@ -80,6 +83,7 @@ class AttentionBatch:
     # CPU decode with no gather: (first id, spacing): row r's blocks are the ``table_blocks``
     # consecutive ids from ``first + r * spacing`` (``kv_arena.equally_spaced``)
     strided: tuple[int, int] | None = None
+    own: tuple[tuple[int, int], ...] | None = None  # or (first id, context length) a row (kv_rows)
 
 
 class KVPool:
@@ -242,6 +246,9 @@ class KVPool:
         if strided is not None:
             return AttentionBatch(pos.unsqueeze(1), False, self._by_chunk(slots, None, bs), table_blocks=width,
                                   context_len=n, mask=mask, strided=strided)
+        own = None if self._arena is None else consecutive_rows(tables, positions, bs)
+        if own is not None:
+            return AttentionBatch(pos.unsqueeze(1), False, self._by_chunk(slots, None, bs), own=own)
         return AttentionBatch(pos.unsqueeze(1), False, self._by_chunk(slots, None, bs),
                               self._by_chunk(flat, None, 1), None if self.fused else self._runs(flat),
                               width, n, mask)
@@ -323,6 +330,9 @@ class KVPool:
                 dst.index_copy_(0, local, tokens if rows is None else tokens.index_select(0, rows))
         if batch.prefill:
             return self._prefill_attention(layer, q, k, v, batch)
+        g = q.shape[1] // hkv
+        if batch.own:  # one token per row (decode)
+            return attend_rows(self._arena.tensor[:, layer], q.reshape(b, hkv, g, d), batch.own).view(b, hkv * g, 1, d)
         if batch.strided:
             keys, values = self._arena.rows(layer, *batch.strided, b, batch.context_len)
         else:
@@ -331,7 +341,6 @@ class KVPool:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
         # one token per row: the G query heads sharing a kv head attend as G queries of that head, so
         # SDPA runs without its GQA path (which costs ~1.5x at 16 x 512 on CPU); row mask [B, 1, 1, S]
-        g = q.shape[1] // hkv
         o = F.scaled_dot_product_attention(q.reshape(b, hkv, g, d), keys, values, attn_mask=batch.mask)
         return o.view(b, hkv * g, 1, d)
 
