@@ -83,7 +83,7 @@ class AttentionBatch:
     # CPU decode with no gather: (first id, spacing): row r's blocks are the ``table_blocks``
     # consecutive ids from ``first + r * spacing`` (``kv_arena.equally_spaced``)
     strided: tuple[int, int] | None = None
-    own: tuple[tuple[int, int], ...] | None = None  # or (first id, context length) a row (kv_rows)
+    own: tuple[tuple[int | torch.Tensor, int], ...] | None = None  # or one view a row (kv_rows)
 
 
 class KVPool:

@@ -13,6 +13,10 @@ dim 64, fp32, one layer, the 2-core VM): per-row views vs the gather + one SDPA,
 4.35 at ~512 positions, 0.97 vs 1.50 at ~256, 0.56 vs 0.60 at ~128, 0.46 vs 0.39 at ~64, 0.42 vs 0.39
 at ~16. With short contexts the copy is small and the per-row calls' overhead is not: below
 ``MIN_POSITIONS`` positions a row on average the batch is gathered as before.
+
+A row whose blocks are not consecutive (a runway's tail taken by another sequence when nothing else
+was free) copies its own blocks (one ``index_select`` over the plane) and attends alone; the rest of
+its batch keeps its views. When more than half the rows are such, the batch is gathered as before.
 """
 
 from __future__ import annotations
@@ -23,21 +27,27 @@ import torch.nn.functional as F
 MIN_POSITIONS = 96  # average context a row below which the gather (+ one SDPA) is cheaper (measured: 64 vs 128)
 
 
-def consecutive_rows(tables, positions, block_size: int) -> tuple[tuple[int, int], ...] | None:
-    """(first block id, context length) of each row when every row's blocks up to its position are
-    consecutive ids and the rows average at least ``MIN_POSITIONS`` positions; else None."""
+Row = tuple[int | torch.Tensor, int]  # (first block id, or the row's block ids; context length)
+
+
+def consecutive_rows(tables, positions, block_size: int) -> tuple[Row, ...] | None:
+    """Each row as (first block id, context length) when its blocks up to its position are
+    consecutive ids, else as (its block ids, context length); None when more than half the rows are
+    not consecutive or the rows average fewer than ``MIN_POSITIONS`` positions."""
     if sum(positions) + len(positions) < MIN_POSITIONS * len(positions):
         return None
-    rows = []
+    rows, scattered = [], 0
     for table, p in zip(tables, positions):
         first, width = table[0], p // block_size + 1
         if table[width - 1] - first != width - 1 or any(b != first + i for i, b in enumerate(table[:width])):
-            return None
-        rows.append((first, p + 1))
-    return tuple(rows)
+            rows.append((torch.tensor(table[:width], dtype=torch.long), p + 1))
+            scattered += 1
+        else:
+            rows.append((first, p + 1))
+    return None if 2 * scattered > len(rows) else tuple(rows)
 
 
-def attend_rows(plane: torch.Tensor, q: torch.Tensor, rows: tuple[tuple[int, int], ...]) -> torch.Tensor:
+def attend_rows(plane: torch.Tensor, q: torch.Tensor, rows: tuple[Row, ...]) -> torch.Tensor:
     """``plane``: one layer of the reserved range, [2 (k, v), blocks, block_size, kv_heads, head_dim];
     q [B, kv_heads, G, D] (a kv head's G query heads as G queries) -> [B, kv_heads, G, D]."""
     which, block, pos, head = plane.stride()[:4]
@@ -45,6 +55,9 @@ def attend_rows(plane: torch.Tensor, q: torch.Tensor, rows: tuple[tuple[int, int
     base = plane.storage_offset()
     outs = []
     for r, (first, n) in enumerate(rows):
-        kv = plane.as_strided((2, 1, hkv, n, d), (which, block, head, pos, 1), base + first * block)
+        if isinstance(first, int):
+            kv = plane.as_strided((2, 1, hkv, n, d), (which, block, head, pos, 1), base + first * block)
+        else:  # not consecutive: this row's blocks copied, [2, blocks, block_size, kv_heads, head_dim]
+            kv = plane.index_select(1, first).view(2, 1, -1, hkv, d)[:, :, :n].transpose(2, 3)
         outs.append(F.scaled_dot_product_attention(q[r:r + 1], kv[0], kv[1]))
     return torch.cat(outs)

@@ -111,9 +111,13 @@ def test_consecutive_rows_at_unequal_spacing_attend_on_their_own_views(chunks, m
     monkeypatch.setattr(kv_rows, "MIN_POSITIONS", 16)
     check(pool, tables, positions, runs=False, own=True)
     assert pool.decode_batch(tables, positions).own == ((20, 28), (0, 17), (5, 56), (30, 34))
-    # a row with one block out of order (a runway's tail taken): the whole batch is gathered
+    # a row with one block out of order (a runway's tail taken): that row copies its blocks alone
     broken = (*tables[:3], (30, 31, 39, 33, 34, 35, 36, 37, 38))
-    check(pool, broken, positions, runs=pool.decode_batch(broken, positions).runs is not None)
+    check(pool, broken, positions, runs=False, own=True)
+    assert [isinstance(first, int) for first, _ in pool.decode_batch(broken, positions).own] == [True] * 3 + [False]
+    # more than half the rows out of order: the whole batch is gathered
+    worse = ((20, 21, 27, 23, 24, 25, 26), (0, 2, 1, 3, 4), tables[2], broken[3])
+    check(pool, worse, positions, runs=pool.decode_batch(worse, positions).runs is not None)
 
 
 def test_chunks_are_views_of_one_range_and_a_dropped_chunk_gives_its_pages_back():
