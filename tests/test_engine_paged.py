@@ -252,3 +252,25 @@ def test_rows_joining_at_different_steps_decode_on_their_own_views_as_transforme
     for p, s in zip(PROMPTS, seqs):
         ref = hf_logits(tiny_model, p + out[s.id][0])[len(p) - 1:-1]
         assert ref.argmax(-1).tolist() == out[s.id][0]  # greedy tokens identical
+
+
+def test_a_row_whose_runway_tail_was_taken_attends_on_its_own_copy_as_transformers_does(tiny_model, monkeypatch):
+    """CPU engine, a pool too small for every runway: a later sequence takes the tail of the first
+    one's runway, so the first one's table stops being consecutive; that row copies its own blocks
+    while the others keep their views, and every greedy token equals transformers'."""
+    from engine import kv_rows
+
+    monkeypatch.setattr(kv_rows, "MIN_POSITIONS", 0)
+    engine = small_engine(tiny_model, blocks=20)
+    kv, seen = engine.runner.kv, []
+    decode_batch = kv.decode_batch
+    kv.decode_batch = lambda *a: seen.append(decode_batch(*a)) or seen[-1]
+    prompts = [PROMPTS[1], PROMPTS[3], PROMPTS[0]]
+    seqs = [make_seq(f"t{i}", p, max_tokens=n, ignore_eos=True) for i, (p, n) in enumerate(zip(prompts, (40, 20, 20)))]
+    out = run_engine(engine, seqs[:1], join_at={2: seqs[1:2], 4: seqs[2:]})
+    mixed = [b.own for b in seen if b.own and any(not isinstance(f, int) for f, _ in b.own)
+             and any(isinstance(f, int) for f, _ in b.own)]
+    assert mixed, [(b.own, b.strided) for b in seen]
+    for p, s in zip(prompts, seqs):
+        ref = hf_logits(tiny_model, p + out[s.id][0])[len(p) - 1:-1]
+        assert ref.argmax(-1).tolist() == out[s.id][0]
