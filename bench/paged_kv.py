@@ -10,6 +10,11 @@ on the same checkpoint; variants alternate (A B A B ...) so that a change in mac
 Decode tokens/s = ``B * (new - 1) / time from the first generated token to the last`` (prefill
 excluded), the best of 3 in each process and of ``--runs`` processes: on a machine shared with
 other jobs, contention only ever slows a run down, so the fastest is the least disturbed figure.
+
+``--ragged`` adds a ragged batch for each batch size > 1: prompts spread over 3/4 .. 5/4 of the
+context, ``max_tokens`` differing, joining in 4 waves a step apart, so the paged pool's block tables
+are runs of different lengths at unequal spacing (not the one strided view an even batch gets).
+Ragged tokens/s = ``B * (new - 1) / time of new - 1 decode steps`` once every row is prefilled.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BASELINE = "a6707d6"  # main before paged KV: one contiguous max_len region per slot
+WAVES = 4  # a ragged batch joins in this many waves
 
 
 def parse_args(argv):
@@ -37,6 +43,7 @@ def parse_args(argv):
     p.add_argument("--prompt-lens", default="16,512", help="context before decoding (a longer one moves more KV)")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--batches", default="1,16")
+    p.add_argument("--ragged", action="store_true", help="also a ragged batch per batch size > 1 (see above)")
     p.add_argument("--runs", type=int, default=3, help="child processes per variant")
     p.add_argument("--baseline", default=BASELINE, help="git ref of the contiguous-KV engine")
     p.add_argument("--baseline-dir", type=Path, default=None,
@@ -62,7 +69,7 @@ def measure(args) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     lens = [int(n) for n in args.prompt_lens.split(",")]
     cfg = EngineConfig(model=args.model, weights="disk", device=args.device, dtype=args.dtype,
-                       max_batch=max(batches), kv_memory=16 << 30, max_model_len=max(lens) + args.new_tokens + 8)
+                       max_batch=max(batches), kv_memory=16 << 30, max_model_len=max_len(args))
     weights = load_shards(args.model, dtype=getattr(torch, args.dtype))
     if args.device == "cuda":
         weights = {k: v.cuda() for k, v in weights.items()}
@@ -90,13 +97,57 @@ def measure(args) -> dict:
         assert all(len(s.output_ids) == new for s in seqs)
         return time.perf_counter() - start
 
+    def ragged_seconds(b: int, n: int, new: int) -> float:
+        waves = min(WAVES, b)
+        seqs = [Sequence(f"r{b}-{i}-{time.monotonic_ns()}",
+                         torch.randint(3, 500, (n - n // 4 + i * (n // 2) // (b - 1),), generator=gen).tolist(),
+                         SamplingParams(temperature=0.0, max_tokens=new + ragged_extra(b, n) + 3 * i, ignore_eos=True), 0)
+                for i in range(b)]
+        for w in range(waves):  # wave w: rows w, w + waves, ...; one step (its prefill) between waves
+            for s in seqs[w::waves]:
+                engine.add(s)
+            engine.step()
+        while not all(s.output_ids for s in seqs):  # prefills a chunk at a time while others decode
+            engine.step()
+        had = [len(s.output_ids) for s in seqs]
+        assert all(h <= ragged_extra(b, n) for h in had), f"the prefill steps took more than their room: {had}"
+        sync()
+        start = time.perf_counter()
+        for _ in range(new - 1):
+            engine.step()
+        sync()
+        took = time.perf_counter() - start
+        assert all(len(s.output_ids) == h + new - 1 for s, h in zip(seqs, had)), "a row left the batch"
+        for s in seqs:
+            engine.abort(s.id)
+        while engine.has_work():
+            engine.step()
+        return took
+
     out = {}
     for n in lens:
         for b in batches:
             decode_seconds(b, n, 3)  # warm this shape
             t = min(decode_seconds(b, n, args.new_tokens) for _ in range(3))
             out[f"{n}/{b}"] = b * (args.new_tokens - 1) / t
+            if args.ragged and b > 1:
+                ragged_seconds(b, n, 3)
+                t = min(ragged_seconds(b, n, args.new_tokens) for _ in range(3))
+                out[f"{n}/{b}/ragged"] = b * (args.new_tokens - 1) / t
     return out
+
+
+def max_len(args) -> int:
+    """The served context: the longest prompt and its tokens (a ragged row's longer prompt and
+    max_tokens, see ``ragged_seconds``)."""
+    n, b = max(int(x) for x in args.prompt_lens.split(",")), max(int(x) for x in args.batches.split(","))
+    return n + n // 4 + args.new_tokens + ragged_extra(b, n) + 3 * b + 8 if args.ragged else n + args.new_tokens + 8
+
+
+def ragged_extra(b: int, n: int) -> int:
+    """Tokens a ragged row may draw before the timed steps: one a step while the later waves prefill
+    (at most 512 prompt tokens a step while others decode, the engine's default chunk)."""
+    return b * (n + n // 4) // 256 + WAVES + 8
 
 
 # --- the comparison (parent) ----------------------------------------------------------------------
@@ -111,7 +162,7 @@ def write_model(work: Path, layers: int, dtype: str, max_positions: int) -> Path
 def run_child(tree: Path, model: Path, args) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", str(model),
            "--device", args.device, "--dtype", args.dtype, "--prompt-lens", args.prompt_lens,
-           "--new-tokens", str(args.new_tokens), "--batches", args.batches]
+           "--new-tokens", str(args.new_tokens), "--batches", args.batches, *(["--ragged"] if args.ragged else [])]
     rest = os.environ.get("PYTHONPATH", "")  # the tree under test first; what else was there after it
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *[p for p in rest.split(os.pathsep)
                                                                       if p and Path(p).resolve() != REPO]])}
@@ -140,7 +191,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="fo-bench-paged-"))
     baseline = args.baseline_dir.resolve() if args.baseline_dir else work / "baseline"
     try:
-        model = write_model(work, args.layers, args.dtype, 2 * max(int(n) for n in args.prompt_lens.split(",")) + 64)
+        model = write_model(work, args.layers, args.dtype, 2 * max_len(args) + 64)
         if args.baseline_dir is None:
             subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(baseline), args.baseline],
                            check=True, capture_output=True)
@@ -153,10 +204,10 @@ def main(argv=None) -> int:
               f"{args.new_tokens} new tokens, greedy, prefill excluded; {os.cpu_count()} cores, load {load}")
         print(f"decode tokens/s, best of {args.runs} processes x 3 runs (contiguous = {args.baseline})")
         for key in figures["paged"][0]:
-            n, b = key.split("/")
+            n, b, *ragged = key.split("/")
             old, new = (max(r[key] for r in figures[v]) for v in ("contiguous", "paged"))
             spread = "  ".join(f"{v} " + "/".join(f"{r[key]:.1f}" for r in figures[v]) for v in figures)
-            print(f"  context {n:>4}, batch {b:>3}: contiguous {old:9.1f}   paged {new:9.1f}   "
+            print(f"  context {n:>4}, batch {b:>3}{' ragged' if ragged else '       '}: contiguous {old:9.1f}   paged {new:9.1f}   "
                   f"paged/contiguous {new / old:.2f}x   (each process: {spread})")
     finally:
         if args.baseline_dir is None:

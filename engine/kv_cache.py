@@ -16,9 +16,10 @@ cache. Decode on CUDA (``fused``) reads the blocks in place: one Triton kernel p
 and k and stores k/v at their slots, another attends through the block tables (``engine.fused``),
 reaching every chunk from one base pointer (``anchor``) plus an element offset per (k or v, layer, block)
 (``offsets``, rewritten at each resize; the anchor and the offsets tensor never move, so CUDA graphs
-captured over them stay valid). Decode on CPU attends on a strided view of the pool, with no copy,
-when the rows' blocks are consecutive and equally spaced (``strided``, ``engine.kv_arena``); else it
-gathers each row's blocks into contiguous K/V (by runs, or by index) and runs torch SDPA on them.
+captured over them stay valid). Decode on CPU attends, with no copy, on one strided view of the
+pool when the rows' blocks are consecutive and equally spaced (``strided``, ``engine.kv_arena``), on
+each row's own view when they are consecutive but not equally spaced (a ragged batch: ``own``,
+``engine.kv_rows``); else it gathers each row's blocks into contiguous K/V and runs SDPA on them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import torch.nn.functional as F
 from engine import fused
 from engine.config import KV_BLOCK_SIZE, kv_block_bytes
 from engine.kv_arena import Arena, equally_spaced
+from engine.kv_gather import gather
+from engine.kv_rows import attend_rows, consecutive_rows
 
 log = structlog.get_logger(__name__)
 DEFAULT_BLOCK_SIZE = KV_BLOCK_SIZE
@@ -78,6 +81,7 @@ class AttentionBatch:
     # CPU decode with no gather: (first id, spacing): row r's blocks are the ``table_blocks``
     # consecutive ids from ``first + r * spacing`` (``kv_arena.equally_spaced``)
     strided: tuple[int, int] | None = None
+    own: tuple[tuple[int | torch.Tensor, int], ...] | None = None  # or one view a row (kv_rows)
 
     @property
     def rotating(self) -> bool:  # a fused (CUDA) decode: ``KVPool.attend_rotating`` takes q/k before RoPE
@@ -95,7 +99,7 @@ class KVPool:
         self.starts: list[int] = []
         self.fused = fused.available(self.device)
         # CPU: the gathered K and V, reused (fresh pages per layer cost 2-3x the gather at 16 x 512)
-        self._scratch: torch.Tensor | None = None  # flat; K then V, see _gather_buffer
+        self._scratch: torch.Tensor | None = None  # flat; K then V, see engine.kv_gather
         # CPU: every chunk a view of one reserved range (engine.kv_arena), so one view spans chunks
         # (not for the fused kernels, the Triton interpreter's on CPU: they read blocks in place)
         self._arena = None if self.device.type != "cpu" or self.fused else Arena.reserve(
@@ -244,6 +248,9 @@ class KVPool:
         if strided is not None:
             return AttentionBatch(pos.unsqueeze(1), False, self._by_chunk(slots, None, bs), table_blocks=width,
                                   context_len=n, mask=mask, strided=strided)
+        own = None if self._arena is None else consecutive_rows(tables, positions, bs)
+        if own is not None:
+            return AttentionBatch(pos.unsqueeze(1), False, self._by_chunk(slots, None, bs), own=own)
         return AttentionBatch(pos.unsqueeze(1), False, self._by_chunk(slots, None, bs),
                               self._by_chunk(flat, None, 1), None if self.fused else self._runs(flat),
                               width, n, mask)
@@ -325,15 +332,17 @@ class KVPool:
                 dst.index_copy_(0, local, tokens if rows is None else tokens.index_select(0, rows))
         if batch.prefill:
             return self._prefill_attention(layer, q, k, v, batch)
+        g = q.shape[1] // hkv
+        if batch.own:  # one token per row (decode)
+            return attend_rows(self._arena.tensor[:, layer], q.reshape(b, hkv, g, d), batch.own).view(b, hkv * g, 1, d)
         if batch.strided:
             keys, values = self._arena.rows(layer, *batch.strided, b, batch.context_len)
         else:
-            keys, values = self._gather(layer, batch)
+            keys, values = gather(self, layer, batch)
         if t != 1:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
         # one token per row: the G query heads sharing a kv head attend as G queries of that head, so
         # SDPA runs without its GQA path (which costs ~1.5x at 16 x 512 on CPU); row mask [B, 1, 1, S]
-        g = q.shape[1] // hkv
         o = F.scaled_dot_product_attention(q.reshape(b, hkv, g, d), keys, values, attn_mask=batch.mask)
         return o.view(b, hkv * g, 1, d)
 
@@ -354,45 +363,11 @@ class KVPool:
         if not batch.context_len:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         start, t = batch.context_len, q.shape[2]
-        old_k, old_v = self._gather(layer, batch)
+        old_k, old_v = gather(self, layer, batch)
         keys, values = torch.cat((old_k, k), dim=2), torch.cat((old_v, v), dim=2)
         # query i sits at position start + i and sees keys 0 .. start + i
         mask = torch.arange(start + t, device=q.device) <= start + torch.arange(t, device=q.device).unsqueeze(1)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-
-    def _gather_buffer(self, count: int) -> torch.Tensor:
-        """[2 (k, v), count blocks] to gather into: on CPU a view of a buffer kept for the next layer
-        and step (grown when needed; zeroed once, so that its unused part is finite), else a new tensor."""
-        shape = (2, count, self.block_size, self.kv_heads, self.head_dim)
-        if self.device.type != "cpu":
-            return torch.empty(shape, dtype=self.dtype, device=self.device)
-        numel = 2 * count * self.block_size * self.kv_heads * self.head_dim
-        if self._scratch is None or self._scratch.numel() < numel:
-            self._scratch = torch.zeros(numel, dtype=self.dtype, device=self.device)
-        return self._scratch[:numel].view(shape)
-
-    def _gather(self, layer: int, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's blocks as contiguous positions: K and V, each [B, Hkv, context_len, D]."""
-        parts = batch.reads
-        count = sum(len(local) for _, _, local in parts)
-        blocks = self._gather_buffer(count)
-        if batch.runs is not None and len(batch.runs) == 1:
-            c, first, n = batch.runs[0]
-            blocks.copy_(self.chunks[c][:, layer, first:first + n])
-        elif batch.runs is not None:  # one copy of each block, k and v together
-            torch.cat([self.chunks[c][:, layer, first:first + n] for c, first, n in batch.runs], dim=1, out=blocks)
-        elif len(parts) == 1 and parts[0][1] is None:
-            c, _, local = parts[0]
-            for which in (0, 1):
-                torch.index_select(self.chunks[c][which, layer], 0, local, out=blocks[which])
-        else:
-            for which in (0, 1):
-                for c, rows, local in parts:
-                    blocks[which].index_copy_(0, rows, self.chunks[c][which, layer].index_select(0, local))
-        seqs = count // batch.table_blocks
-        flat = blocks.view(2, seqs, batch.table_blocks * self.block_size, self.kv_heads, self.head_dim)
-        flat = flat[:, :, :batch.context_len].transpose(2, 3)
-        return flat[0], flat[1]
 
 
 def _split(blocks: int, parts: int = CHUNKS_PER_ALLOCATION) -> tuple[int, ...]:

@@ -198,3 +198,79 @@ def test_a_batch_admitted_together_decodes_on_a_view_of_its_runways_as_transform
     for p, s in zip(prompts, seqs):
         ref = hf_logits(tiny_model, p + out[s.id][0])[len(p) - 1:-1]
         assert ref.argmax(-1).tolist() == out[s.id][0]  # greedy tokens identical
+
+
+def test_a_ragged_batch_on_each_rows_own_view_equals_the_gather_and_transformers(tiny_model, monkeypatch):
+    """CPU: rows of consecutive blocks at unequal spacing (rows that joined at different times) decode
+    on each row's own view of the pool (``engine.kv_rows``, no copy): the logits equal the gather
+    path's and transformers', the greedy tokens are identical."""
+    from engine import kv_cache, kv_rows
+
+    monkeypatch.setattr(kv_rows, "MIN_POSITIONS", 0)  # the tiny contexts are below the speed floor
+    new, starts = 7, (7, 14, 0, 27)  # rows cross the chunk ends 9, 16 and 29
+    tables = tuple(tuple(range(s, s + -(-(len(p) + new) // BLOCK))) for s, p in zip(starts, PROMPTS))
+
+    def decode(gather: bool):
+        runner = build_runner(tiny_model, max_model_len=MAX_LEN, kv_block_size=BLOCK, max_batch=4)
+        runner.kv.resize((9, 7, 13, 11))
+        seen, decode_batch = [], runner.kv.decode_batch
+        runner.kv.decode_batch = lambda *a: seen.append(decode_batch(*a)) or seen[-1]
+        logits = [runner.run(StepPlan("prefill", tuple(map(tuple, PROMPTS)), block_tables=tables))]
+        seqs = [list(p) for p in PROMPTS]
+        for _ in range(new):
+            for s, token in zip(seqs, logits[-1].argmax(-1).tolist()):
+                s.append(token)
+            plan = StepPlan("decode", tuple(s[-1] for s in seqs), tuple(len(s) - 1 for s in seqs), tables)
+            logits.append(runner.run(plan))
+        assert all((b.own is None) == gather and b.strided is None for b in seen) and len(seen) == new
+        return torch.stack(logits, dim=1), seqs
+
+    own, seqs = decode(gather=False)
+    with monkeypatch.context() as m:
+        m.setattr(kv_cache, "consecutive_rows", lambda *a: None)
+        gathered, _ = decode(gather=True)
+    torch.testing.assert_close(own, gathered, atol=1e-5, rtol=1e-5)
+    for row, (prompt, s) in enumerate(zip(PROMPTS, seqs)):
+        ref = hf_logits(tiny_model, s)[len(prompt) - 1:]
+        assert (own[row] - ref).abs().max().item() <= ATOL
+        assert ref.argmax(-1).tolist()[:-1] == s[len(prompt):]  # greedy tokens identical
+
+
+def test_rows_joining_at_different_steps_decode_on_their_own_views_as_transformers_does(tiny_model, monkeypatch):
+    """CPU engine: sequences that join at different steps with different ``max_tokens`` get runways
+    of different lengths, so no single strided view: they decode on their own views."""
+    from engine import kv_rows
+
+    monkeypatch.setattr(kv_rows, "MIN_POSITIONS", 0)
+    engine = small_engine(tiny_model, blocks=64)
+    kv, seen = engine.runner.kv, []
+    decode_batch = kv.decode_batch
+    kv.decode_batch = lambda *a: seen.append(decode_batch(*a)) or seen[-1]
+    seqs = [make_seq(f"j{i}", p, max_tokens=8 + 5 * i, ignore_eos=True) for i, p in enumerate(PROMPTS)]
+    out = run_engine(engine, seqs[:2], join_at={2: seqs[2:3], 5: seqs[3:]})
+    assert sum(b.own is not None and len(b.own) >= 3 for b in seen) >= 5, [(b.own, b.strided) for b in seen]
+    for p, s in zip(PROMPTS, seqs):
+        ref = hf_logits(tiny_model, p + out[s.id][0])[len(p) - 1:-1]
+        assert ref.argmax(-1).tolist() == out[s.id][0]  # greedy tokens identical
+
+
+def test_a_row_whose_runway_tail_was_taken_attends_on_its_own_copy_as_transformers_does(tiny_model, monkeypatch):
+    """CPU engine, a pool too small for every runway: a later sequence takes the tail of the first
+    one's runway, so the first one's table stops being consecutive; that row copies its own blocks
+    while the others keep their views, and every greedy token equals transformers'."""
+    from engine import kv_rows
+
+    monkeypatch.setattr(kv_rows, "MIN_POSITIONS", 0)
+    engine = small_engine(tiny_model, blocks=20)
+    kv, seen = engine.runner.kv, []
+    decode_batch = kv.decode_batch
+    kv.decode_batch = lambda *a: seen.append(decode_batch(*a)) or seen[-1]
+    prompts = [PROMPTS[1], PROMPTS[3], PROMPTS[0]]
+    seqs = [make_seq(f"t{i}", p, max_tokens=n, ignore_eos=True) for i, (p, n) in enumerate(zip(prompts, (40, 20, 20)))]
+    out = run_engine(engine, seqs[:1], join_at={2: seqs[1:2], 4: seqs[2:]})
+    mixed = [b.own for b in seen if b.own and any(not isinstance(f, int) for f, _ in b.own)
+             and any(isinstance(f, int) for f, _ in b.own)]
+    assert mixed, [(b.own, b.strided) for b in seen]
+    for p, s in zip(prompts, seqs):
+        ref = hf_logits(tiny_model, p + out[s.id][0])[len(p) - 1:-1]
+        assert ref.argmax(-1).tolist() == out[s.id][0]

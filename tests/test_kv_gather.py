@@ -1,5 +1,6 @@
 """The CPU decode attention of the paged pool (``KVPool.attend``: a strided view of the pool when the
-rows' blocks are consecutive and equally spaced, else the gather of each row's blocks, by runs of
+rows' blocks are consecutive and equally spaced, each row's own view when they are consecutive at
+unequal spacing (``engine.kv_rows``), else the gather of each row's blocks, by runs of
 consecutive ids or by index; then SDPA with a kv head's G query heads as G queries) equals SDPA with
 ``enable_gqa`` on each row's own contiguous K/V: ragged lengths ending inside and on block boundaries,
 GQA group 4, tables inside one chunk, across chunks, and scattered. The chunks are views of one
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import kv_rows
 from engine.kv_cache import KVPool
 
 LAYERS, KV_HEADS, HEADS, DIM, BS = 2, 2, 8, 16, 4
@@ -36,9 +38,10 @@ def contiguous(pool: KVPool, which: int, layer: int, table, n: int) -> torch.Ten
     return torch.cat(blocks)[:n].transpose(0, 1)
 
 
-def check(pool: KVPool, tables, positions, *, runs: bool, strided: bool = False) -> None:
+def check(pool: KVPool, tables, positions, *, runs: bool, strided: bool = False, own: bool = False) -> None:
     batch = pool.decode_batch(tables, positions)
     assert (batch.runs is not None) == runs and (batch.strided is not None) == strided
+    assert (batch.own is not None) == own
     gen = torch.Generator().manual_seed(2)
     b = len(tables)
     for layer in range(LAYERS):
@@ -91,6 +94,30 @@ def test_equally_spaced_rows_of_consecutive_blocks_attend_on_a_view_across_chunk
     tables = tuple(tuple(range(2 + 9 * r, 2 + 9 * r + n)) for r, n in enumerate((5, 3, 7, 1)))
     check(pool, tables, (19, 10, 25, 0), runs=False, strided=True)
     assert pool.decode_batch(tables[:1], (19,)).strided == (2, 1)  # one row: a view too
+
+
+@pytest.mark.parametrize("chunks", [(40,), (9, 13, 18)])
+def test_consecutive_rows_at_unequal_spacing_attend_on_their_own_views(chunks, monkeypatch):
+    pool = pool_with_chunks(chunks)
+    # what runways give rows that joined at different times: each row consecutive ids, rows in no
+    # order and unequally spaced, crossing chunk ends (9, 22); a row's table may hold blocks past its
+    # position (grown ahead), and its last block may be one position in
+    tables = ((20, 21, 22, 23, 24, 25, 26), (0, 1, 2, 3, 4), (5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18),
+              (30, 31, 32, 33, 34, 35, 36, 37, 38))
+    positions = (27, 16, 55, 33)
+    batch = pool.decode_batch(tables, positions)
+    assert batch.own is None and batch.strided is None  # 34 positions a row: below the floor, gathered
+    check(pool, tables, positions, runs=batch.runs is not None)
+    monkeypatch.setattr(kv_rows, "MIN_POSITIONS", 16)
+    check(pool, tables, positions, runs=False, own=True)
+    assert pool.decode_batch(tables, positions).own == ((20, 28), (0, 17), (5, 56), (30, 34))
+    # a row with one block out of order (a runway's tail taken): that row copies its blocks alone
+    broken = (*tables[:3], (30, 31, 39, 33, 34, 35, 36, 37, 38))
+    check(pool, broken, positions, runs=False, own=True)
+    assert [isinstance(first, int) for first, _ in pool.decode_batch(broken, positions).own] == [True] * 3 + [False]
+    # more than half the rows out of order: the whole batch is gathered
+    worse = ((20, 21, 27, 23, 24, 25, 26), (0, 2, 1, 3, 4), tables[2], broken[3])
+    check(pool, worse, positions, runs=pool.decode_batch(worse, positions).runs is not None)
 
 
 def test_chunks_are_views_of_one_range_and_a_dropped_chunk_gives_its_pages_back():
