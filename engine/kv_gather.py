@@ -22,7 +22,7 @@ def gather(pool, layer: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's blocks as contiguous positions: K and V, each [B, Hkv, context_len, D]."""
     parts = batch.reads
     count = sum(len(local) for _, _, local in parts)
-    blocks = gather_buffer(count)
+    blocks = gather_buffer(pool, count)
     if batch.runs is not None and len(batch.runs) == 1:
         c, first, n = batch.runs[0]
         blocks.copy_(pool.chunks[c][:, layer, first:first + n])
