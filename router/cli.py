@@ -35,6 +35,7 @@ from router.cluster import join
 from router.config import RouterConfig
 from router.roles import EtcdRoles
 from router.share_client import ShareClient
+from router.worker_metrics import WorkerMetrics
 
 log = structlog.get_logger(__name__)
 
@@ -148,6 +149,10 @@ def main(argv: list[str]) -> int:
     if args.workers > 1 and not args.worker_id:
         print("failover router: --workers N > 1 runs through `failover router` (it starts the workers)", file=sys.stderr)
         return 2
+    if bool(args.share) != bool(args.worker_id):
+        print("failover router: --share and --worker-id come together (the parent of N workers gives both)",
+              file=sys.stderr)
+        return 2
     if args.share and (args.etcd or args.k8s_lease):
         print("failover router: a worker (--share) takes its roles from its parent, not etcd", file=sys.stderr)
         return 2
@@ -222,6 +227,11 @@ async def _serve(config: RouterConfig, args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    metrics = None
+    if args.share:  # /metrics answers for every worker on the port (router/worker_metrics.py)
+        metrics = WorkerMetrics(rid, router.metrics_text, lambda: view.routers)
+        view.extra |= {"worker": args.worker_id, "metrics_url": await metrics.start()}
+        router.all_metrics = metrics.all
     await router.start()
     if view is not None:
         view.url = args.advertise or router.url
@@ -230,6 +240,8 @@ async def _serve(config: RouterConfig, args: argparse.Namespace) -> int:
     await stop.wait()
     log.info("router_stopping")
     await router.stop()
+    if metrics is not None:
+        await metrics.stop()
     if etcd is not None:
         await etcd.close()
     return 0

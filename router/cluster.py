@@ -47,6 +47,7 @@ class ClusterView:
         self.last_contact = time.monotonic()
         self.held = False
         self.revision = 0
+        self.extra: dict = {}  # more fields of this router's record (a worker's metrics_url)
         self._tasks: list[asyncio.Task] = []
         self._lease = 0
 
@@ -183,7 +184,7 @@ class ClusterView:
         routed = {name: (svc.routable().name if svc.routable() else None)
                   for name, svc in self.router.services.items()}
         return {"id": self.roles.router_id, "url": self.url, "node": self.roles.node, "pid": os.getpid(), "seen": seen,
-                "routing": routed, "held": self.held, "at": time.time()}
+                "routing": routed, "held": self.held, "at": time.time(), **self.extra}
 
     async def _keepalive(self) -> None:
         key = f"{self.prefix}routers/{self.roles.router_id}"

@@ -186,8 +186,10 @@ class ShareServer:
                     await self._watch(req, writer)
                     return
                 writer.write(json.dumps(self._answer(req)).encode() + b"\n")
-        except (ValueError, asyncio.LimitOverrunError, ConnectionError) as exc:
-            log.warning("share_connection_dropped", error=repr(exc))
+        except ConnectionError:
+            pass  # a worker that stopped or died: its lease expires, its records go
+        except (ValueError, asyncio.LimitOverrunError) as exc:
+            log.warning("share_connection_dropped", error=repr(exc), why="not a request of the role store")
         finally:
             self._conns.discard(writer)
             writer.close()
