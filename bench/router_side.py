@@ -206,12 +206,29 @@ class RouterSide:
         """The service's status, or with ``full`` the whole answer (``last_failover`` too)."""
         if self.inproc is not None:
             st = self.inproc[0].status()
+        elif full and self.workers > 1:  # only the worker whose claim won records the failover: ask several
+            st = await self._newest_record()
         else:
             async with s.get(self.url + "/admin/status",
                              headers={"Authorization": f"Bearer {self.token.read_text()}"}) as r:
                 r.raise_for_status()
                 st = await r.json()
         return st if full else st["services"][0]
+
+
+    async def _newest_record(self) -> dict:
+        """The status of the worker holding the newest ``last_failover``, over fresh connections
+        (each may land on another worker)."""
+        best, best_at = None, -1.0
+        for _ in range(4 * self.workers):
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
+                    s.get(self.url + "/admin/status", headers={"Authorization": f"Bearer {self.token.read_text()}"}) as r:
+                r.raise_for_status()
+                st = await r.json()
+            at = (st["last_failover"].get("default") or {}).get("at", 0.0)
+            if best is None or at > best_at:
+                best, best_at = st, at
+        return best
 
 
 def main() -> int:
