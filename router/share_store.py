@@ -131,7 +131,7 @@ class ShareStore:
 
 def _peer_uid(sock: socket.socket) -> int:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[2]
+    return struct.unpack("3i", creds)[1]  # struct ucred: pid, uid, gid
 
 
 class ShareServer:
