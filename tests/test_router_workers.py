@@ -53,7 +53,7 @@ def wait_until(predicate, timeout: float, what: str):
         try:
             if (value := predicate()):
                 return value
-        except (OSError, NotYet, KeyError):  # KeyError: a worker whose view lacks a record yet
+        except (OSError, NotYet, KeyError, IndexError):  # a worker whose view lacks a record or service yet
             pass
         time.sleep(0.05)
     raise TimeoutError(f"timed out waiting for {what}")
@@ -77,7 +77,7 @@ def pool(procs, tiny_model, tmp_path):
         wait_until(lambda: all(
             d["services"][0]["primary"] == "a" for d in statuses(url).values()), 60, "both workers serving a")
     except Exception:
-        log.flush()
+        log.close()
         raise AssertionError(f"the pool did not come up:\n{(tmp_path / 'router.log').read_text()[-3000:]}") from None
     yield url, {"a": a, "b": b}, proc
     if proc.poll() is None:
