@@ -78,6 +78,50 @@ async def start_router(model: Path, logs: Path, port: int, token: Path, nice: in
     return router, engines
 
 
+async def start_pool(model: Path, logs: Path, port: int, token: Path, nice: int, workers: int, loop: str):
+    """``workers`` router processes on ``port`` (failover.procs.router_pool) and the same launcher's
+    work: when the workers' shared primary key moves, the old primary's engine is killed and
+    forgotten and a fresh standby is started and registered. The in-process router asks for the
+    replacement once the failover settled (<= replace_settle_timeout); here it waits SETTLE_S."""
+    from failover.procs.router_pool import RouterPool
+
+    engines: dict[str, EngineProc] = {}
+    first = [EngineProc(model, log_dir=logs) for _ in range(2)]
+    await asyncio.gather(*(e.wait_ready() for e in first))
+    pool = RouterPool(["--port", str(port), "--admin-token-file", str(token), "--loop", loop,
+                       "--log-level", "warning"], workers)
+    for e in first:
+        engines[f"e{e.port}"] = e
+        pool.put_instance("default", f"e{e.port}", e.url, pid=e.pid)
+    pool.seed_primary("default", f"e{first[0].port}")
+    current = {"default": f"e{first[0].port}"}
+    tasks: set[asyncio.Task] = set()
+
+    async def replace(service: str) -> None:
+        await asyncio.sleep(SETTLE_S)
+        e = EngineProc(model, log_dir=logs)
+        engines[f"e{e.port}"] = e
+        await replacement(e, nice)
+        pool.put_instance(service, f"e{e.port}", e.url, pid=e.pid)
+
+    def moved(service: str, instance: str | None) -> None:
+        old, current[service] = current.get(service), instance
+        if old is None or old == instance or old not in engines:
+            return
+        engines[old].kill()  # the fence: every worker follows the key, none routes to it again
+        pool.remove_instance(service, old)
+        t = asyncio.ensure_future(replace(service))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+
+    pool.on_primary(moved)
+    await pool.start()
+    return pool, engines, tasks
+
+
+SETTLE_S = 0.25
+
+
 async def stop_router(router, engines: dict) -> None:
     await router.stop()
     for e in engines.values():
@@ -91,10 +135,21 @@ async def router_child(args) -> int:
 
     die_with_parent(signal.SIGTERM)
     configure_logging("warning", process="vs-haproxy-router")
-    router, engines = await start_router(Path(args.model), Path(args.logs), args.port, Path(args.token),
-                                         args.nice_replacement)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    if args.workers > 1:
+        pool, engines, tasks = await start_pool(Path(args.model), Path(args.logs), args.port, Path(args.token),
+                                                args.nice_replacement, args.workers, args.loop)
+        print(f"ready {os.getpid()} {' '.join(map(str, pool.pids()))}", flush=True)
+        await stop.wait()
+        for t in list(tasks):
+            t.cancel()
+        await pool.stop()
+        for e in engines.values():
+            e.kill()
+        return 0
+    router, engines = await start_router(Path(args.model), Path(args.logs), args.port, Path(args.token),
+                                         args.nice_replacement)
     print(f"ready {os.getpid()}", flush=True)
     await stop.wait()
     await stop_router(router, engines)
@@ -104,8 +159,8 @@ async def router_child(args) -> int:
 class RouterSide:
     """The router under test, in a child process (default) or in this one; status from its admin API."""
 
-    def __init__(self, model: Path, logs: Path, loop: str, args) -> None:
-        self.model, self.logs, self.loop = model, logs, loop
+    def __init__(self, model: Path, logs: Path, loop: str, args, workers: int = 1) -> None:
+        self.model, self.logs, self.loop, self.workers = model, logs, loop, workers
         self.in_process, self.profile, self.nice = args.in_process, args.profile, args.nice_replacement
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -122,7 +177,7 @@ class RouterSide:
             return self
         cmd = [sys.executable, str(Path(__file__).resolve()), "--model", str(self.model),
                "--logs", str(self.logs), "--port", str(self.port), "--token", str(self.token), "--loop", self.loop,
-               "--nice-replacement", str(self.nice)]
+               "--nice-replacement", str(self.nice), "--workers", str(self.workers)]
         if self.profile is not None:
             self.profile.mkdir(parents=True, exist_ok=True)
             out = self.profile / f"router-{self.loop}.txt"
@@ -136,26 +191,44 @@ class RouterSide:
             line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), 180)
             if not line:
                 raise RuntimeError(f"router child exited with {self.proc.wait()} before it was ready")
-        self.pid = int(line.split()[1])
+        pids = [int(p) for p in line.split()[1:]]
+        self.pid = pids[0] if len(pids) == 1 else pids  # the router, or the pool's parent and its workers
         return self
 
     async def __aexit__(self, *exc) -> None:
         if self.inproc is not None:
             await stop_router(*self.inproc)
             return
-        os.kill(self.pid, signal.SIGTERM)
+        os.kill(self.pid if isinstance(self.pid, int) else self.pid[0], signal.SIGTERM)
         await asyncio.to_thread(self.proc.communicate, None, 60)
 
     async def status(self, s: aiohttp.ClientSession, full: bool = False) -> dict:
         """The service's status, or with ``full`` the whole answer (``last_failover`` too)."""
         if self.inproc is not None:
             st = self.inproc[0].status()
+        elif full and self.workers > 1:  # only the worker whose claim won records the failover: ask several
+            st = await self._newest_record()
         else:
             async with s.get(self.url + "/admin/status",
                              headers={"Authorization": f"Bearer {self.token.read_text()}"}) as r:
                 r.raise_for_status()
                 st = await r.json()
         return st if full else st["services"][0]
+
+
+    async def _newest_record(self) -> dict:
+        """The status of the worker holding the newest ``last_failover``, over fresh connections
+        (each may land on another worker)."""
+        best, best_at = None, -1.0
+        for _ in range(4 * self.workers):
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
+                    s.get(self.url + "/admin/status", headers={"Authorization": f"Bearer {self.token.read_text()}"}) as r:
+                r.raise_for_status()
+                st = await r.json()
+            at = (st["last_failover"].get("default") or {}).get("at", 0.0)
+            if best is None or at > best_at:
+                best, best_at = st, at
+        return best
 
 
 def main() -> int:
@@ -166,6 +239,7 @@ def main() -> int:
     p.add_argument("--token", required=True)
     p.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"))
     p.add_argument("--nice-replacement", type=int, default=0)
+    p.add_argument("--workers", type=int, default=1)
     from router import evloop
     args = p.parse_args()
     return evloop.run(router_child(args), args.loop)

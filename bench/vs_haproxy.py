@@ -100,10 +100,14 @@ async def resume_prefill(direct: str, n: int, resumed: int = 15) -> float:
     return round((percentile(lat[True], 50) - percentile(lat[False], 50)) * 1e3, 2)
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (its own, not its children's)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def cpu_s(pid: int | list[int]) -> float:
+    """User + system CPU seconds of process ``pid`` so far (its own, not its children's); of a
+    list of pids (the router's workers and their parent), the sum."""
+    total = 0.0
+    for p in [pid] if isinstance(pid, int) else pid:
+        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def where_stalled(outcomes, faults: list[float]) -> dict:
@@ -143,8 +147,8 @@ async def drive(load: Load, kills: int, interval: float, concurrency: int, kill_
     return out | {"stall": where_stalled(load.outcomes, faults)}
 
 
-async def phase_router(model: Path, args, logs: Path, loop: str) -> dict:
-    async with RouterSide(model, logs, loop, args) as side, aiohttp.ClientSession() as s:
+async def phase_router(model: Path, args, logs: Path, loop: str, workers: int = 1) -> dict:
+    async with RouterSide(model, logs, loop, args, workers) as side, aiohttp.ClientSession() as s:
         primary = next(i for i in (await side.status(s))["instances"] if i["role"] == "primary")
         ov = await overhead(primary["url"], side.url, args.overhead_n)
         ov["resume_prefill_ms"] = await resume_prefill(primary["url"], max(10, args.overhead_n // 4))
@@ -331,11 +335,14 @@ async def main_async(args) -> int:
         where = "in the bench's process" if args.in_process else "own process"
         print(f"# vs_haproxy  {date.today()}  {platform.node()}  {platform.processor() or platform.machine()}"
               f"  kills={args.kills} interval={args.interval}s concurrency={args.concurrency}  {version}"
-              f"  router: {where}, loops {[evloop.name(k) for k in loops]}  nice-replacement={args.nice_replacement}"
+              f"  router: {where}, loops {[evloop.name(k) for k in loops]} workers {args.router_workers}"
+              f"  nice-replacement={args.nice_replacement}"
               f"  load average {os.getloadavg()[0]:.2f}")
         ours = {}
         for loop in loops:
-            ours[evloop.name(loop) if not args.in_process else "in-process"] = await phase_router(model, args, tmp, loop)
+            for n in args.router_workers:
+                name = evloop.name(loop) if not args.in_process else "in-process"
+                ours[name + (f" x{n}" if n > 1 else "")] = await phase_router(model, args, tmp, loop, n)
         theirs = await phase_haproxy(model, args, tmp)
         print(f"# load average after: {os.getloadavg()[0]:.2f}")
         print_report(ours, theirs)
@@ -357,8 +364,14 @@ def main() -> int:
     p.add_argument("--nice-replacement", type=int, default=0, metavar="N",
                    help="start each replacement engine (both phases) at nice N until it is ready")
     p.add_argument("--in-process", action="store_true", help="run the router on the bench's own loop")
+    p.add_argument("--router-workers", type=int, action="append", metavar="N",
+                   help="N router processes on the one port (failover router --workers; docs/router.md); "
+                        "repeat for one router phase each, per --loop (default: 1)")
     p.add_argument("--profile", type=Path, help="py-spy the router process; raw stacks into DIR")
     args = p.parse_args()
+    args.router_workers = args.router_workers or [1]
+    if args.in_process and args.router_workers != [1]:
+        p.error("--router-workers runs worker processes: drop --in-process")
     if args.in_process and args.profile:
         p.error("--profile samples the router's own process: drop --in-process")
     return asyncio.run(main_async(args))

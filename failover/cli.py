@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tiny-model": ("failover.tools.tiny_model", "write a small random-weight Llama-family checkpoint"),
     "daemon": ("cache_daemon.cli", "run the per-node weight cache daemon"),
     "engine": ("engine.cli", "run the reference OpenAI-compatible engine"),
-    "router": ("router.cli", "run the active-standby router alone in front of engines"),
+    "router": ("failover.cmd.router", "run the active-standby router alone in front of engines (--workers N)"),
     "up": ("failover.cmd.up", "bring up daemon, engines and router from a config file"),
     "status": ("failover.cmd.admin", "show services and instances"),
     "promote": ("failover.cmd.admin", "promote a standby to primary"),

@@ -52,6 +52,7 @@ class Router:
         self.promoter = Promoter(config, self.services, self.launcher, launcher is not None,
                                  self.metrics, self.health.confirm, roles)
         self.cluster = None  # a router.cluster.ClusterView when roles are decided in etcd
+        self.all_metrics = None  # async () -> bytes: /metrics of every worker on the port (--workers)
         self.proxy = Proxy(config, self.services, self.promoter, self.metrics)
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
@@ -322,11 +323,16 @@ class Router:
         ok = bool(counted) and all(counted)
         return web.json_response({"ready": ok, "services": ready}, status=200 if ok else 503)
 
-    async def _metrics(self, request: web.Request) -> web.Response:
+    def metrics_text(self) -> bytes:
         for svc in self.services.values():
             self.metrics.queued.labels(svc.name).set(svc.waiting)
         self.metrics.buffered.set(self.proxy.bodies.buffered)
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        return self.metrics.render()
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        # one of N workers on one port (router/worker_metrics.py): every worker's samples, labelled
+        body = await self.all_metrics() if self.all_metrics is not None else self.metrics_text()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 @web.middleware

@@ -34,6 +34,8 @@ from router.adapters import ENGINES
 from router.cluster import join
 from router.config import RouterConfig
 from router.roles import EtcdRoles
+from router.share_client import ShareClient
+from router.worker_metrics import WorkerMetrics
 
 log = structlog.get_logger(__name__)
 
@@ -43,6 +45,20 @@ def _name_url(text: str) -> tuple[str, str]:
     if not sep or not name or not url.startswith(("http://", "https://")):
         raise argparse.ArgumentTypeError(f"expected NAME=http://HOST:PORT, got {text!r}")
     return name, url
+
+
+MAX_WORKERS = 64  # more router processes than this on one host is a typo, not a plan
+
+
+def worker_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of router processes, got {text!r}") from None
+    if not 1 <= n <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"--workers must be 1..{MAX_WORKERS}, not {n} (one per core to spare "
+                                         "is the most that helps; docs/router.md)")
+    return n
 
 
 def parser() -> argparse.ArgumentParser:
@@ -108,6 +124,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ttl", type=int, default=5,
                    help="lease TTL in seconds; also how long routing goes on without etcd (default: %(default)s)")
     p.add_argument("--advertise", default=None, help="URL under which peers and `failover status` see it")
+    p.add_argument("--workers", type=worker_count, default=1,
+                   help="router processes on the one port (SO_REUSEPORT), sharing roles through a role store "
+                        "of the parent process (default: %(default)s; docs/router.md says when more pay)")
+    p.add_argument("--share", type=Path, default=None, help=argparse.SUPPRESS)  # a worker: the role store's socket
+    p.add_argument("--worker-id", type=int, default=0, help=argparse.SUPPRESS)  # 1..N: one of N workers
     p.add_argument("--log-level", default="info")
     return p
 
@@ -125,11 +146,21 @@ def main(argv: list[str]) -> int:
         except ValueError as exc:
             print(f"failover router: {exc}", file=sys.stderr)
             return 2
-    if not args.backend and not args.etcd and not args.k8s_lease:
+    if args.workers > 1 and not args.worker_id:
+        print("failover router: --workers N > 1 runs through `failover router` (it starts the workers)", file=sys.stderr)
+        return 2
+    if bool(args.share) != bool(args.worker_id):
+        print("failover router: --share and --worker-id come together (the parent of N workers gives both)",
+              file=sys.stderr)
+        return 2
+    if args.share and (args.etcd or args.k8s_lease):
+        print("failover router: a worker (--share) takes its roles from its parent, not etcd", file=sys.stderr)
+        return 2
+    if not args.backend and not args.etcd and not args.k8s_lease and not args.share:
         p.print_usage(sys.stderr)
         print("failover router: give at least one --backend NAME=URL (or --etcd ENDPOINTS)", file=sys.stderr)
         return 2
-    if (args.backend or args.standby) and (args.etcd or args.k8s_lease):
+    if (args.backend or args.standby) and (args.etcd or args.k8s_lease or args.share):
         print("failover router: with --etcd/--k8s-lease the instances come from the cluster; drop --backend/--standby",
               file=sys.stderr)
         return 2
@@ -152,7 +183,7 @@ def main(argv: list[str]) -> int:
             forward_paths=tuple(dict.fromkeys(d.forward_paths + tuple(args.forward_path))),
             max_upstream=args.max_upstream, upstream_queue_size=args.upstream_queue_size,
             loop_lag_tolerance=args.loop_lag_tolerance, replace_settle_timeout=args.replace_settle_timeout,
-            hang_probe_timeout=args.hang_probe_timeout)
+            hang_probe_timeout=args.hang_probe_timeout, reuse_port=args.worker_id > 0)
     except ValueError as exc:
         print(f"failover router: {exc}", file=sys.stderr)
         return 2
@@ -161,7 +192,7 @@ def main(argv: list[str]) -> int:
     except RuntimeError as exc:  # --loop uvloop without uvloop
         print(f"failover router: {exc}", file=sys.stderr)
         return 2
-    configure_logging(args.log_level, process="router")
+    configure_logging(args.log_level, process=f"router-worker-{args.worker_id}" if args.worker_id else "router")
     try:
         return evloop.run(_serve(config, args), args.loop)
     except (TokenFileError, OSError) as exc:
@@ -177,8 +208,10 @@ async def _serve(config: RouterConfig, args: argparse.Namespace) -> int:
                                  ca_file=args.k8s_ca_file, timeout=deadline, poll=max(0.1, args.ttl / 8))
     elif args.etcd:
         etcd = Etcd([ep for arg in args.etcd for ep in arg.split(",") if ep], timeout=deadline)
+    elif args.share:  # one of N workers on this port: the parent's role store is its etcd
+        etcd = ShareClient(args.share, timeout=deadline)
     if etcd is not None:
-        rid = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
+        rid = args.router_id or (f"worker-{args.worker_id}" if args.worker_id else f"{socket.gethostname()}-{os.getpid()}")
         roles = EtcdRoles(etcd, args.cluster, rid)
         router = Router(config, launcher=None, roles=roles)
         view = join(router, etcd, roles, directory=True, ttl=args.ttl,
@@ -194,6 +227,11 @@ async def _serve(config: RouterConfig, args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    metrics = None
+    if args.share:  # /metrics answers for every worker on the port (router/worker_metrics.py)
+        metrics = WorkerMetrics(rid, router.metrics_text, lambda: view.routers)
+        view.extra |= {"worker": args.worker_id, "metrics_url": await metrics.start()}
+        router.all_metrics = metrics.all
     await router.start()
     if view is not None:
         view.url = args.advertise or router.url
@@ -202,6 +240,8 @@ async def _serve(config: RouterConfig, args: argparse.Namespace) -> int:
     await stop.wait()
     log.info("router_stopping")
     await router.stop()
+    if metrics is not None:
+        await metrics.stop()
     if etcd is not None:
         await etcd.close()
     return 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import structlog
@@ -46,6 +47,7 @@ class ClusterView:
         self.last_contact = time.monotonic()
         self.held = False
         self.revision = 0
+        self.extra: dict = {}  # more fields of this router's record (a worker's metrics_url)
         self._tasks: list[asyncio.Task] = []
         self._lease = 0
 
@@ -153,10 +155,11 @@ class ClusterView:
         inst = self.router._find(ident)
         serving = rec.get("role") in (states.PRIMARY, states.STANDBY) and rec.get("pid") is not None
         fresh = before is None or before.get("pid") != rec.get("pid") or before.get("url") != url
+        kind = {k: rec[k] for k in ("engine", "probe_path") if isinstance(rec.get(k), str)}  # absent: ours
         if inst is None:
-            self.router.add_instance(service, ident, url, states.STANDBY, pid=rec.get("pid"))
+            self.router.add_instance(service, ident, url, states.STANDBY, pid=rec.get("pid"), **kind)
         elif serving and fresh and (inst.fenced or inst.role in states.OUT_OF_SERVICE):
-            self.router.add_instance(service, ident, url, states.STANDBY, pid=rec.get("pid"))  # relaunched
+            self.router.add_instance(service, ident, url, states.STANDBY, pid=rec.get("pid"), **kind)  # relaunched
         else:
             return
         holder = self.roles.holders.get(service)
@@ -180,8 +183,8 @@ class ClusterView:
         seen = {s: {"primary": h.instance, "revision": h.revision} for s, h in self.roles.holders.items()}
         routed = {name: (svc.routable().name if svc.routable() else None)
                   for name, svc in self.router.services.items()}
-        return {"id": self.roles.router_id, "url": self.url, "node": self.roles.node, "seen": seen,
-                "routing": routed, "held": self.held, "at": time.time()}
+        return {"id": self.roles.router_id, "url": self.url, "node": self.roles.node, "pid": os.getpid(), "seen": seen,
+                "routing": routed, "held": self.held, "at": time.time(), **self.extra}
 
     async def _keepalive(self) -> None:
         key = f"{self.prefix}routers/{self.roles.router_id}"

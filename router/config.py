@@ -49,6 +49,7 @@ class RouterConfig:
     drain_timeout: float = 30.0  # planned switchover / drain: wait this long for in-flight requests
     fence_timeout: float = 10.0  # Launcher.fence may take this long before we log and move on
     shutdown_timeout: float = 5.0  # stop(): in-flight requests get this long to finish
+    reuse_port: bool = False  # SO_REUSEPORT: one of N router workers on one port (failover router --workers)
 
     def __post_init__(self) -> None:
         positive = ("probe_interval", "probe_timeout", "queue_deadline", "connect_timeout",

@@ -338,12 +338,13 @@ class FrontSite(web.TCPSite):
         self.inflight = 0
         self.idle = asyncio.Event()
         self.grace = config.shutdown_timeout
+        self.reuse_port = config.reuse_port  # the kernel spreads new connections over the workers
 
     async def start(self) -> None:
         self._runner._reg_site(self)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: Front(self), self._host, self._port,
-                                                backlog=self._backlog)
+                                                backlog=self._backlog, reuse_port=self.reuse_port or None)
         self._bound_port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
