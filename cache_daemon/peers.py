@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import socket
-import struct
+from failover_common.peercred import peer_credentials
 
-_UCRED = struct.Struct("3i")  # pid, uid, gid
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """``(pid, uid, gid)`` of the process that connected ``sock`` (as of its connect)."""
-    return _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+__all__ = ["peer_allowed", "peer_credentials"]
 
 
 def peer_allowed(uid: int, *, daemon_uid: int, allow_uids: frozenset[int] = frozenset()) -> bool:

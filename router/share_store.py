@@ -21,14 +21,14 @@ import asyncio
 import collections
 import json
 import os
-import socket
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
+
+from failover_common.peercred import peer_credentials
 
 log = structlog.get_logger(__name__)
 
@@ -129,11 +129,6 @@ class ShareStore:
         return [e for e in self.history if e["kv"]["mod_revision"] >= start and e["kv"]["key"].startswith(prefix)]
 
 
-def _peer_uid(sock: socket.socket) -> int:
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]  # struct ucred: pid, uid, gid
-
-
 class ShareServer:
     """Serves ``store`` on ``path`` (created 0600; its directory must be 0700 and ours)."""
 
@@ -174,7 +169,7 @@ class ShareServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
-        if sock is None or _peer_uid(sock) != os.getuid():
+        if sock is None or peer_credentials(sock)[1] != os.getuid():
             log.warning("share_peer_refused", why="another uid")
             writer.close()
             return
