@@ -66,6 +66,9 @@ def test_failover_status_shows_nodes_instances_roles_and_routers(rig):
         assert needle in out, f"{needle!r} missing from:\n{out}"
     row = next(line for line in out.splitlines() if line.startswith("chat") and primary in line and "http" in line)
     assert " primary " in row, row
+    for router in rig.routers:  # each router's row names its process
+        line = next(line for line in out.splitlines() if line.split()[:1] == [router.name])
+        assert line.split()[1] == str(router.proc.pid), line
     node_out = subprocess.run([sys.executable, "-m", "failover", "status", "--config",
                                str(rig.nodes["a"].config_path)], capture_output=True, text=True, timeout=30,
                               check=True).stdout

@@ -43,8 +43,8 @@ def cluster_lines(c: dict, now: float | None = None) -> list[str]:
         for s, h in sorted(holders.items())])]
     lines += [f"NOT PROMOTED {ident}: {why}" for ident, why in sorted((c.get("not_promoted") or {}).items())]
     routers = c.get("routers") or {}
-    lines += ["", *_table(("router", "url", "seen", "routing to", "record age"), [
-        (rid, str(r.get("url") or "-"),
+    lines += ["", *_table(("router", "pid", "url", "seen", "routing to", "record age"), [
+        (rid, str(r.get("pid") or "-"), str(r.get("url") or "-"),
          ", ".join(f"{s}: {v.get('primary')} @{v.get('revision')}" for s, v in (r.get("seen") or {}).items()) or "-",
          (", ".join(f"{s}: {v}" for s, v in (r.get("routing") or {}).items()) or "-")
          + (" (HELD)" if r.get("held") else ""), _age(r.get("at"), now))
