@@ -33,6 +33,7 @@ from router.app import Router
 from router.adapters import ENGINES
 from router.cluster import join
 from router.config import RouterConfig
+from router.launcher import NullLauncher
 from router.roles import EtcdRoles
 from router.share_client import ShareClient
 from router.worker_metrics import WorkerMetrics
@@ -213,7 +214,7 @@ async def _serve(config: RouterConfig, args: argparse.Namespace) -> int:
     if etcd is not None:
         rid = args.router_id or (f"worker-{args.worker_id}" if args.worker_id else f"{socket.gethostname()}-{os.getpid()}")
         roles = EtcdRoles(etcd, args.cluster, rid)
-        router = Router(config, launcher=None, roles=roles)
+        router = Router(config, launcher=NullLauncher(warn=args.worker_id <= 1), roles=roles)
         view = join(router, etcd, roles, directory=True, ttl=args.ttl,
                     url=args.advertise or f"http://{config.host}:{config.port}")
     else:

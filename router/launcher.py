@@ -44,15 +44,21 @@ class Launcher(Protocol):
 
 
 class NullLauncher:
-    """Standalone router: it did not start the engines, so fencing only means never routing again."""
+    """Standalone router: it did not start the engines, so fencing only means never routing again.
+
+    ``warn=False`` (router workers 2..N of ``failover router --workers N``: every worker fences the
+    same instance) logs these at debug level, so the operator is told once, by worker 1."""
+
+    def __init__(self, warn: bool = True) -> None:
+        self._log = log.warning if warn else log.debug
 
     async def request_standby(self, service: str) -> None:
-        log.warning("no_launcher", action="request_standby", service=service,
-                    hint="standalone router: start a new standby and restart the router with it")
+        self._log("no_launcher", action="request_standby", service=service,
+                  hint="standalone router: start a new standby and restart the router with it")
 
     async def fence(self, name: str) -> None:
-        log.warning("no_launcher", action="fence", instance=name,
-                    hint="standalone router: the instance is no longer routed to; stop it yourself")
+        self._log("no_launcher", action="fence", instance=name,
+                  hint="standalone router: the instance is no longer routed to; stop it yourself")
 
     def is_batch(self, service: str) -> bool:
         return False  # a standalone router serves online traffic only

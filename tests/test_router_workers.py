@@ -122,7 +122,12 @@ def test_two_workers_share_the_port_and_any_metrics_scrape_counts_both(pool):
     assert sum(counts.values()) >= 12  # whichever worker was scraped, every worker's requests are in it
 
 
-def test_primary_kill_under_streaming_load_fails_nothing_and_every_worker_follows_one_primary(pool):
+def fence_warnings(log_path, instance: str) -> list[dict]:
+    rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+    return [r for r in rows if r.get("event") == "no_launcher" and r.get("instance") == instance]
+
+
+def test_primary_kill_under_streaming_load_fails_nothing_and_every_worker_follows_one_primary(pool, tmp_path):
     url, engines, _ = pool
 
     async def go():
@@ -149,6 +154,11 @@ def test_primary_kill_under_streaming_load_fails_nothing_and_every_worker_follow
     holders = {w: d["cluster"]["holders"]["tiny"] for w, d in docs.items()}
     assert len({(h["instance"], h["revision"]) for h in holders.values()}) == 1, holders  # one decision
     assert all(v > 0 for v in requests_by_worker(url).values()) and len(requests_by_worker(url)) == 2
+    # every worker fences a; the operator is told once (worker 1), not once per worker
+    warned = wait_until(lambda: fence_warnings(tmp_path / "router.log", "a"), 10, "worker 1's fence warning")
+    time.sleep(0.5)
+    warned = fence_warnings(tmp_path / "router.log", "a")
+    assert [w["process"] for w in warned] == ["router-worker-1"], warned
 
 
 def test_a_killed_worker_is_restarted_while_the_other_keeps_serving(pool):
