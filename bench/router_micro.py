@@ -1,7 +1,7 @@
 """The router's own cost per request, without torch: a stub engine, the router in front of it.
 
     python3 bench/router_micro.py [-n 2000] [--loop uvloop] [--events 16] [--gap 0.002 --kinds stream] [--idle 10]
-                                  [--closed 16 --seconds 3]
+                                  [--closed 16 --seconds 3] [--think 0.003 --kinds completion]
 
 A stub upstream (an aiohttp app in its own process: ``/ready``, ``/v1/models``, ``/v1/completions``
 whole or streamed with token ids, answered at once) stands in for the engine, so what differs between
@@ -12,6 +12,9 @@ p50/p99 per kind, as bench/vs_haproxy.py measures it, and the router process's C
 ``--gap S`` spaces the stub's SSE events by S seconds, as an engine's tokens are: each event is then
 one read and one write of the router's (back to back, they coalesce into a few reads), so the
 stream's CPU per request minus a whole completion's is the router's cost per SSE event.
+``--think S`` makes the stub spend S seconds of CPU before each completion, as an engine's forward
+pass does: the router then comes back to cold caches, as in bench/vs_haproxy.py (0.003 gives that
+bench's added latency; 0 the router's own floor).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from loadgen import percentile  # noqa: E402
 from vs_haproxy import cpu_s  # noqa: E402
 
 
-def stub_app(events: int, gap: float = 0.0):
+def stub_app(events: int, gap: float = 0.0, think: float = 0.0):
     from aiohttp import web
 
     async def ready(_):
@@ -48,6 +51,10 @@ def stub_app(events: int, gap: float = 0.0):
     async def completions(request):
         body = await request.json()
         n = min(int(body.get("max_tokens", 1)), events)
+        if think > 0:  # an engine's forward pass: CPU busy, then the answer (the router sleeps meanwhile)
+            end = time.perf_counter() + think
+            while time.perf_counter() < end:
+                pass
         if not body.get("stream"):
             return web.json_response({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "stub",
                                       "choices": [{"index": 0, "text": "x" * n, "token_ids": list(range(n)),
@@ -187,7 +194,8 @@ async def with_haproxy(upstream: str, up_port: int, args) -> dict:
 
 async def main_async(args) -> int:
     up_port, r_port = free_port(), free_port()
-    up = spawn("--child", "stub", "--port", str(up_port), "--events", str(args.events), "--gap", str(args.gap))
+    up = spawn("--child", "stub", "--port", str(up_port), "--events", str(args.events), "--gap", str(args.gap),
+               "--think", str(args.think))
     upstream = f"http://127.0.0.1:{up_port}"
     router = spawn("--child", "router", "--port", str(r_port), "--upstream", upstream, "--loop", args.loop,
                    profile=args.profile)
@@ -209,7 +217,7 @@ async def main_async(args) -> int:
             res["router"]["idle"] = {"cpu_ms_per_s": round((cpu_s(pid) - c0) * 1e3 / args.idle, 1)}
         if args.haproxy:
             res["haproxy"] = await with_haproxy(upstream, up_port, args)
-        print(f"# router_micro n={args.n} loop={args.loop} events={args.events} gap={args.gap} "
+        print(f"# router_micro n={args.n} loop={args.loop} events={args.events} gap={args.gap} think={args.think} "
               f"load average {os.getloadavg()[0]:.2f}")
         for who, kinds in res.items():
             for kind, r in kinds.items():
@@ -231,6 +239,9 @@ def main() -> int:
     p.add_argument("--idle", type=float, default=0.0, metavar="S",
                    help="then S seconds idle: the router's CPU per second with no request (probes, timers)")
     p.add_argument("--gap", type=float, default=0.0, help="seconds between the stub's SSE events")
+    p.add_argument("--think", type=float, default=0.0, metavar="S",
+                   help="the stub spends S seconds of CPU before each completion, as an engine's forward "
+                        "pass does (bench/vs_haproxy.py's engines: ~0.003 a one-token completion)")
     p.add_argument("--kinds", action="append", choices=("completion", "stream", "models"),
                    help="only these kinds (repeatable; default all)")
     p.add_argument("--closed", type=int, default=0, metavar="C",
@@ -248,7 +259,7 @@ def main() -> int:
         from aiohttp import web
         from failover_common.proc import die_with_parent
         die_with_parent(signal.SIGTERM)
-        web.run_app(stub_app(args.events, args.gap), host="127.0.0.1", port=args.port, print=lambda *_: print("ready", flush=True),
+        web.run_app(stub_app(args.events, args.gap, args.think), host="127.0.0.1", port=args.port, print=lambda *_: print("ready", flush=True),
                     access_log=None)
         return 0
     if args.child == "router":
