@@ -5,7 +5,7 @@ request and payload objects, routing, response preparation), half the latency it
 connection starts on ``Front``, which takes a request itself only when it is plain:
 
 - HTTP/1.1, GET or POST, the raw target exactly one of ``forward_paths`` (no query, no escapes);
-- headers that httptools' parser (llhttp) accepts, at most one Content-Length, none of
+- a head inside router/heads.py's strict subset of HTTP/1.1, at most one Content-Length, none of
   Transfer-Encoding, Content-Encoding, Expect, Upgrade;
 - a body of at most ``FAST_BODY`` bytes that fits in the router's body budget, all of it arriving
   within ``BODY_WAIT`` of the headers.
@@ -27,10 +27,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-import httptools
 import structlog
 from aiohttp import web
 
+from router import heads
 from router.answer_now import Direct
 from router.forward import FORWARD_TAIL, REQUEST_DROP_B
 from router.front_answer import FastRequest, FastStream, http_date
@@ -42,42 +42,6 @@ FAST_BODY = 256 * 1024  # larger bodies go to aiohttp's path
 BODY_WAIT = 0.25  # a body not all here this long after its headers: aiohttp's path (its 408 timer)
 MAX_HEAD = 16 * 1024  # no end of headers within this: aiohttp's path (its 431/400)
 KEEPALIVE = 75.0  # an idle connection is closed after this (aiohttp's default)
-_REFUSED = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
-class Handover(Exception):
-    """This request is not a plain one: aiohttp takes the connection."""
-
-
-class _Head:
-    """httptools callbacks for one request head."""
-
-    __slots__ = ("url", "headers", "forward", "length", "done")
-
-    def __init__(self) -> None:
-        self.url = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.forward: list[bytes] = []  # the end-to-end header lines, as they go upstream
-        self.length: int | None = None
-        self.done = False
-
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        lname = name.lower()
-        if lname in _REFUSED:
-            raise Handover()
-        if lname == b"content-length":
-            if self.length is not None or not value.isdigit():
-                raise Handover()
-            self.length = int(value)
-        self.headers.append((name, value))
-        if lname not in REQUEST_DROP_B:
-            self.forward.append(b"%b: %b\r\n" % (name, value))
-
-    def on_headers_complete(self) -> None:
-        self.done = True
-
-
 class Front(asyncio.Protocol):
     """One client connection, until (if ever) it is handed to aiohttp."""
 
@@ -97,12 +61,13 @@ class Front(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None  # the body wait
         self._ka: asyncio.TimerHandle | None = None  # keep-alive: one timer, re-armed only when it fires
         self.last = 0.0  # loop time the last request ended (or the connection began)
+        self.loop: asyncio.AbstractEventLoop | None = None  # (Python 3.11's get_running_loop is a getpid syscall)
 
     # -- asyncio.Protocol -------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.site.conns.add(self)
-        loop = asyncio.get_running_loop()
+        self.loop = loop = asyncio.get_running_loop()
         self.last = loop.time()
         self._ka = loop.call_later(KEEPALIVE, self._check_idle)
 
@@ -191,19 +156,12 @@ class Front(asyncio.Protocol):
             if len(buf) > MAX_HEAD:
                 self._handover()
             return
-        head = _Head()
-        parser = httptools.HttpRequestParser(head)
-        try:
-            parser.feed_data(bytes(buf[:end + 4]))
-            if not head.done:
-                raise Handover()
-            method = parser.get_method()
-            if parser.get_http_version() != "1.1" or method not in (b"GET", b"POST"):
-                raise Handover()
-            path = head.url.decode("ascii")
-            if path not in self.site.paths:
-                raise Handover()
-        except (Handover, httptools.HttpParserError, UnicodeDecodeError):
+        head = heads.request(bytes(buf[:end + 4]), REQUEST_DROP_B)
+        if head is None or head.size != end + 4:
+            self._handover()
+            return
+        path = head.path.decode("ascii")  # visible ASCII, by the pattern
+        if path not in self.site.paths:
             self._handover()
             return
         n = head.length or 0
@@ -222,8 +180,10 @@ class Front(asyncio.Protocol):
         self._cancel_timer()
         body = bytes(buf[end + 4:total])
         del buf[:total]
-        self.keep_alive = parser.should_keep_alive()
-        req = FastRequest(method.decode(), path, head.headers, b"".join(head.forward) + FORWARD_TAIL, self)
+        self.keep_alive = head.keep_alive
+        forward = head.forward
+        forward.append(FORWARD_TAIL)
+        req = FastRequest(head.method.decode(), path, head.fields, b"".join(forward), self)
         budget.take(n)
         self.started = False
         self.site.inflight += 1
@@ -245,7 +205,7 @@ class Front(asyncio.Protocol):
         """Serve the current request by the coroutine ``coro`` (router/proxy.py's task path).
         ``on_drop()``: what ``coro`` would have ended had it run, if it is cancelled before it does."""
         self._pending = (coro, n, on_drop)
-        self.task = asyncio.get_running_loop().create_task(self._serve(coro, n, path))
+        self.task = self.loop.create_task(self._serve(coro, n, path))
 
     def _cancel(self) -> None:
         """Cancel the current request. A task cancelled before its first step never runs a line of
@@ -297,7 +257,7 @@ class Front(asyncio.Protocol):
             self.transport.close()
             return
         self.transport.resume_reading()
-        self.last = asyncio.get_running_loop().time()
+        self.last = self.loop.time()
         self._next()
 
     def _respond(self, resp: web.StreamResponse) -> None:

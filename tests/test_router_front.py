@@ -150,3 +150,33 @@ async def test_a_whole_answer_is_the_engines_bytes_and_the_clients_end_to_end_he
             assert counter(router, "failover_router_requests_total", code="400") == 1
         finally:
             writer.close()
+
+
+async def test_obs_text_is_served_lean_and_a_head_outside_the_subset_goes_to_aiohttp():
+    """router/heads.py's subset: a value with obs-text is plain (its bytes reach the engine as
+    sent); an HTTP/1.0 request or a field name that is not a token is aiohttp's to answer."""
+    from router_helpers import serve_app
+    from conftest import free_port
+
+    async with contextlib.AsyncExitStack() as stack:
+        url = await stack.enter_async_context(serve_app(echo_app(), free_port()))
+        router = await stack.enter_async_context(running_router(tolerant(), primary=url))
+        await wait_for(lambda: router.services["tiny"].routable() is not None)
+        body = completion()
+        cases = [
+            (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Name: caf\xe9\r\n", 200, False),
+            (b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nX-Name: plain\r\n", 200, True),
+            (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX@Name: odd\r\n", 400, True),
+        ]
+        for head, code, by_aiohttp in cases:
+            reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+            try:
+                writer.write(head + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+                status, headers, answer = await read_response(reader)
+                assert status == code, (head, answer)
+                assert ("server" in headers) is by_aiohttp, (head, headers)
+                if code == 200:
+                    seen = dict(json.loads(answer)["headers"])
+                    assert seen["X-Name"] == head.split(b"X-Name: ")[1].split(b"\r\n")[0].decode("latin-1")
+            finally:
+                writer.close()
