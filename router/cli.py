@@ -214,7 +214,7 @@ async def _serve(config: RouterConfig, args: argparse.Namespace) -> int:
     if etcd is not None:
         rid = args.router_id or (f"worker-{args.worker_id}" if args.worker_id else f"{socket.gethostname()}-{os.getpid()}")
         roles = EtcdRoles(etcd, args.cluster, rid)
-        router = Router(config, launcher=NullLauncher(warn=args.worker_id <= 1), roles=roles)
+        router = Router(config, launcher=NullLauncher(warn=args.worker_id <= 1, cluster=not args.share), roles=roles)
         view = join(router, etcd, roles, directory=True, ttl=args.ttl,
                     url=args.advertise or f"http://{config.host}:{config.port}")
     else:

@@ -47,16 +47,28 @@ class NullLauncher:
     """Standalone router: it did not start the engines, so fencing only means never routing again.
 
     ``warn=False`` (router workers 2..N of ``failover router --workers N``: every worker fences the
-    same instance) logs these at debug level, so the operator is told once, by worker 1."""
+    same instance) logs these at debug level, so the operator is told once, by worker 1.
 
-    def __init__(self, warn: bool = True) -> None:
+    ``cluster=True``: a peer router of a cluster (``failover router --etcd/--k8s-lease``). Nobody
+    has to act on its behalf: the instance's own node follows the roles in the store (its router
+    fences the engine that lost the primary key, its supervisor relaunches it as a standby), so
+    these are an info line, ``left_to_node``, not a warning to stop something by hand."""
+
+    def __init__(self, warn: bool = True, cluster: bool = False) -> None:
         self._log = log.warning if warn else log.debug
+        self._cluster = cluster
 
     async def request_standby(self, service: str) -> None:
+        if self._cluster:
+            log.info("left_to_node", action="request_standby", service=service)
+            return
         self._log("no_launcher", action="request_standby", service=service,
                   hint="standalone router: start a new standby and restart the router with it")
 
     async def fence(self, name: str) -> None:
+        if self._cluster:
+            log.info("left_to_node", action="fence", instance=name)
+            return
         self._log("no_launcher", action="fence", instance=name,
                   hint="standalone router: the instance is no longer routed to; stop it yourself")
 

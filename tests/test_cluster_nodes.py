@@ -8,6 +8,7 @@ completions through the front; each stream is compared with the undisturbed gree
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -28,6 +29,10 @@ def rig(tiny_model):
     r = Rig(tiny_model, standbys_b=1)
     yield r
     r.close()
+
+
+def log_rows(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
 def assert_clean(streams: Streams) -> None:
@@ -51,6 +56,11 @@ def test_kill_9_of_the_primary_engine_fails_over_to_the_other_node(rig):
     assert set(node.engine_pids()).isdisjoint(old_pids), "the standby is not a fresh process"
     promotions = [p for r in rig.routers for p in r.status()["cluster"]["promotions"] if p["previous"] == before]
     assert len(promotions) == 1, promotions  # two routers saw the failure; one promoted
+    # the peer routers leave the dead engine to its node (which relaunched it, above): an info
+    # line each, not a warning to stop it by hand
+    fences = [row for r in rig.routers for row in log_rows(r.log()) if row.get("action") == "fence"]
+    assert fences and {(row["event"], row["level"], row["instance"]) for row in fences} == {
+        ("left_to_node", "info", before)}, fences
 
 
 def test_failover_status_shows_nodes_instances_roles_and_routers(rig):
