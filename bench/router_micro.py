@@ -2,6 +2,7 @@
 
     python3 bench/router_micro.py [-n 2000] [--loop uvloop] [--events 16] [--gap 0.002 --kinds stream] [--idle 10]
                                   [--closed 16 --seconds 3] [--think 0.003 --kinds completion]
+                                  [--haproxy] [--floor]
 
 A stub upstream (an aiohttp app in its own process: ``/ready``, ``/v1/models``, ``/v1/completions``
 whole or streamed with token ids, answered at once) stands in for the engine, so what differs between
@@ -14,7 +15,10 @@ one read and one write of the router's (back to back, they coalesce into a few r
 stream's CPU per request minus a whole completion's is the router's cost per SSE event.
 ``--think S`` makes the stub spend S seconds of CPU before each completion, as an engine's forward
 pass does: the router then comes back to cold caches, as in bench/vs_haproxy.py (0.003 gives that
-bench's added latency; 0 the router's own floor).
+bench's added latency; 0 the router's own floor). ``--haproxy`` measures HAProxy the same way in
+front of the same stub; ``--floor`` bench/relay_floor.py, the least a relay in Python can do on the
+same loop (whole messages by Content-Length, forwarded unchanged): what separates the router from it
+is the router's own work, what separates it from HAProxy is the loop's.
 """
 
 from __future__ import annotations
@@ -192,6 +196,23 @@ async def with_haproxy(upstream: str, up_port: int, args) -> dict:
             hap.wait(10)
 
 
+async def with_floor(upstream: str, up_port: int, args) -> dict:
+    """The same measure through bench/relay_floor.py (the least a Python relay can do) on the
+    router's loop, in front of the same stub."""
+    port = free_port()
+    loop = "asyncio" if args.loop == "asyncio" else "uvloop"
+    relay = subprocess.Popen([sys.executable, str(Path(__file__).with_name("relay_floor.py")), str(up_port), str(port),
+                              "--loop", loop], stdout=subprocess.PIPE, text=True)
+    try:
+        if relay.stdout.readline().strip() != "ready":
+            raise RuntimeError("bench/relay_floor.py did not start")
+        return await measure(upstream, f"http://127.0.0.1:{port}", args.n, relay.pid, args.events,
+                             [k for k in (args.kinds or ["completion", "stream", "models"]) if k != "stream"])
+    finally:
+        relay.terminate()
+        relay.wait(10)
+
+
 async def main_async(args) -> int:
     up_port, r_port = free_port(), free_port()
     up = spawn("--child", "stub", "--port", str(up_port), "--events", str(args.events), "--gap", str(args.gap),
@@ -217,6 +238,8 @@ async def main_async(args) -> int:
             res["router"]["idle"] = {"cpu_ms_per_s": round((cpu_s(pid) - c0) * 1e3 / args.idle, 1)}
         if args.haproxy:
             res["haproxy"] = await with_haproxy(upstream, up_port, args)
+        if args.floor:
+            res["floor"] = await with_floor(upstream, up_port, args)
         print(f"# router_micro n={args.n} loop={args.loop} events={args.events} gap={args.gap} think={args.think} "
               f"load average {os.getloadavg()[0]:.2f}")
         for who, kinds in res.items():
@@ -249,6 +272,8 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=3.0, help="seconds per kind and way of --closed")
     p.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"))
     p.add_argument("--haproxy", action="store_true", help="also through HAProxy, in front of the same stub")
+    p.add_argument("--floor", action="store_true",
+                   help="also through bench/relay_floor.py (a bare Python relay on the same loop; no streams)")
     p.add_argument("--profile", type=Path, help="py-spy the router; raw stacks into this file")
     p.add_argument("--child", choices=("stub", "router"), help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
