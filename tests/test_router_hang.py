@@ -34,6 +34,23 @@ async def both_ready(svc) -> None:
                    timeout=20, what="primary and standby ready")
 
 
+async def freeze_midstream(engine, inst, load, tries: int = 20) -> None:
+    """SIGSTOP ``engine`` while one of its streams is still being relayed: the premise of a hang seen
+    by its streams. A stream the client still reads may be all in the router already (the engine
+    sent its last token before the freeze, and its bytes were still in the sockets), and then only
+    probes can see the hang; so freeze, let those bytes drain, look, and thaw and try again (a freeze
+    of 50 ms is no hang) until a relay of it is still open."""
+    for _ in range(tries):
+        await load.streaming(1)
+        kill(engine.proc, signal.SIGSTOP)
+        await asyncio.sleep(0.05)
+        if any(att.last > 0.0 for att in inst.attempts):  # a stream relay still waiting on it
+            return
+        kill(engine.proc, signal.SIGCONT)
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no stream of {inst.name} was being relayed at any of {tries} freezes")
+
+
 @pytest.mark.parametrize("loop_stall", [0.0, 0.4], ids=["frozen", "frozen-then-router-loop-stalls"])
 async def test_a_frozen_primary_under_streaming_load_is_failed_by_its_stalled_streams(engines, loop_stall):
     # with loop_stall: the router's own loop stalls just after the freeze. That lag vetoes the
@@ -47,8 +64,7 @@ async def test_a_frozen_primary_under_streaming_load_is_failed_by_its_stalled_st
         await both_ready(svc)
         c, ref, load = await under_load(router, 4)
         await load.until(4)
-        await load.streaming(1)
-        kill(a.proc, signal.SIGSTOP)
+        await freeze_midstream(a, svc.instances["eng-a"], load)
         try:
             if loop_stall:
                 await asyncio.sleep(0.05)
