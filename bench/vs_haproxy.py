@@ -13,6 +13,12 @@ configured as aggressively as it allows: primary as a normal server, standby as 
 `option redispatch`, `retry-on all-retryable-errors`. In both phases a killed engine is replaced by a
 fresh process at once (for HAProxy on the same port, as its configuration is static; for our router
 as a new standby, registered when ready, which is what the supervisor does).
+
+Added latency (before the load and the kills): sequential one-token completions, direct to the
+primary and through each proxy, interleaved one request at a time. In the router phase HAProxy is
+started in front of the router's own engines for this measurement, so the router's and HAProxy's
+added p50 printed below the table come from one sitting over the same engines; the table's HAProxy
+column has its own phase's figure.
 """
 
 from __future__ import annotations
@@ -60,22 +66,60 @@ listen llm
 """
 
 
-async def overhead(direct: str, proxied: str, n: int) -> dict:
-    """Sequential one-token completions, direct vs through the proxy: the added latency."""
-    lat: dict[str, list[float]] = {"direct": [], "proxied": []}
+async def overhead(direct: str, proxied: dict[str, str], n: int) -> dict:
+    """Sequential one-token completions, direct and through each proxy in ``proxied`` (name ->
+    url), interleaved one at a time (so the box's drift hits them alike): each proxy's added
+    latency. One client session per run, used for nothing else (the router's lean listener hands a
+    connection that once carried another kind of request, such as /admin/status, to aiohttp)."""
+    bases = {"direct": direct} | proxied
+    lat: dict[str, list[float]] = {k: [] for k in bases}
     async with aiohttp.ClientSession() as s:
         async with s.get(direct + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
         body = {"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0.0}
-        for i in range(2 * n):
-            key, base = ("direct", direct) if i % 2 == 0 else ("proxied", proxied)
+        order = list(bases.items())
+        for i in range(len(order) * n):
+            key, base = order[i % len(order)]
             t = time.perf_counter()
             async with s.post(base + "/v1/completions", json=body) as r:
                 await r.read()
             lat[key].append(time.perf_counter() - t)
-    d50, p50 = percentile(lat["direct"], 50), percentile(lat["proxied"], 50)
-    d99, p99 = percentile(lat["direct"], 99), percentile(lat["proxied"], 99)
-    return {"added_p50_ms": round((p50 - d50) * 1e3, 2), "added_p99_ms": round((p99 - d99) * 1e3, 2)}
+    d50, d99 = percentile(lat["direct"], 50), percentile(lat["direct"], 99)
+    return {name: {"added_p50_ms": round((percentile(lat[name], 50) - d50) * 1e3, 2),
+                   "added_p99_ms": round((percentile(lat[name], 99) - d99) * 1e3, 2)} for name in proxied}
+
+
+def start_haproxy(logs: Path, p1: int, p2: int) -> tuple[subprocess.Popen, str]:
+    """HAProxy (HAPROXY_CFG) in front of the engines on ports ``p1`` (primary) and ``p2``."""
+    port = free_port()
+    cfg = logs / f"haproxy-{port}.cfg"
+    cfg.write_text(HAPROXY_CFG.format(port=port, p1=p1, p2=p2))
+    hap = subprocess.Popen(["haproxy", "-f", str(cfg), "-db"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return hap, f"http://127.0.0.1:{port}"
+
+
+def stop_haproxy(hap: subprocess.Popen) -> None:
+    hap.send_signal(signal.SIGTERM)
+    try:
+        hap.wait(10)
+    except subprocess.TimeoutExpired:
+        hap.kill()
+        hap.wait()
+
+
+async def overhead_side_by_side(primary: str, standby: str, router: str, logs: Path, n: int) -> dict:
+    """The router's added latency and HAProxy's, interleaved over the router phase's own engines
+    (HAProxy in front of them for this measurement only): the two proxies' figures from one
+    sitting, where the separate phases' figures also carry the box's drift between them."""
+    port = lambda url: int(url.rsplit(":", 1)[1])  # noqa: E731
+    hap, url = start_haproxy(logs, port(primary), port(standby))
+    try:
+        await asyncio.sleep(1.0)  # its first checks
+        both = await overhead(primary, {"router": router, "haproxy": url}, n)
+    finally:
+        stop_haproxy(hap)
+    return both["router"] | {"haproxy_added_p50_ms": both["haproxy"]["added_p50_ms"],
+                             "haproxy_added_p99_ms": both["haproxy"]["added_p99_ms"]}
 
 
 async def resume_prefill(direct: str, n: int, resumed: int = 15) -> float:
@@ -149,8 +193,10 @@ async def drive(load: Load, kills: int, interval: float, concurrency: int, kill_
 
 async def phase_router(model: Path, args, logs: Path, loop: str, workers: int = 1) -> dict:
     async with RouterSide(model, logs, loop, args, workers) as side, aiohttp.ClientSession() as s:
-        primary = next(i for i in (await side.status(s))["instances"] if i["role"] == "primary")
-        ov = await overhead(primary["url"], side.url, args.overhead_n)
+        insts = (await side.status(s))["instances"]
+        primary = next(i for i in insts if i["role"] == "primary")
+        standby = next(i for i in insts if i["role"] == "standby")
+        ov = await overhead_side_by_side(primary["url"], standby["url"], side.url, logs, args.overhead_n)
         ov["resume_prefill_ms"] = await resume_prefill(primary["url"], max(10, args.overhead_n // 4))
         models = {"models_direct_rps": round(await closed_loop(primary["url"] + "/v1/models", 16, args.models_s)),
                   "models_rps": round(await closed_loop(side.url + "/v1/models", 16, args.models_s))}
@@ -228,16 +274,13 @@ def breakdown(records: list[dict], faults: list[float]) -> str:
 
 
 async def phase_haproxy(model: Path, args, logs: Path) -> dict:
-    p1, p2, port = free_port(), free_port(), free_port()
+    p1, p2 = free_port(), free_port()
     servers = {"primary": EngineProc(model, p1, log_dir=logs), "standby": EngineProc(model, p2, log_dir=logs)}
     await asyncio.gather(*(e.wait_ready() for e in servers.values()))
-    cfg = logs / "haproxy.cfg"
-    cfg.write_text(HAPROXY_CFG.format(port=port, p1=p1, p2=p2))
-    hap = subprocess.Popen(["haproxy", "-f", str(cfg), "-db"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    hap, url = start_haproxy(logs, p1, p2)
     try:
         await asyncio.sleep(1.0)
-        ov = await overhead(servers["primary"].url, url, args.overhead_n)
+        ov = (await overhead(servers["primary"].url, {"haproxy": url}, args.overhead_n))["haproxy"]
         models = {"models_direct_rps": round(await closed_loop(servers["primary"].url + "/v1/models", 16, args.models_s)),
                   "models_rps": round(await closed_loop(url + "/v1/models", 16, args.models_s))}
 
@@ -257,8 +300,7 @@ async def phase_haproxy(model: Path, args, logs: Path) -> dict:
             await load.learn_expected(s)
         result = await drive(load, args.kills, args.interval, args.concurrency, kill_primary, hap.pid)
     finally:
-        hap.send_signal(signal.SIGTERM)
-        hap.wait(10)
+        stop_haproxy(hap)
         for e in servers.values():
             e.kill()
     return result | ov | models
@@ -299,6 +341,11 @@ def print_report(ours: dict[str, dict], theirs: dict) -> None:
             row += f"{ratio:>16}{_verdict(k, a, b):>18}"
         print(row)
     print("ratio = router / haproxy; models_rps at 16 clients (router's models_direct_rps: its primary, direct)")
+    for loop, r in ours.items():
+        if "haproxy_added_p50_ms" in r:
+            print(f"added latency ({loop}), router and HAProxy interleaved over the router phase's engines, one sitting: "
+                  f"p50 {r['added_p50_ms']} / {r['haproxy_added_p50_ms']} ms, p99 {r['added_p99_ms']} / "
+                  f"{r['haproxy_added_p99_ms']} ms (the table's haproxy column: its own phase)")
     for loop, r in ours.items():
         print(client_line(f"failover router ({loop})", r["client"]))
         recs = list({rec["at"]: rec for rec in r["records"]}.values())
@@ -354,7 +401,8 @@ def main() -> int:
     p.add_argument("--kills", type=int, default=10)
     p.add_argument("--interval", type=float, default=8.0, help="seconds between kills (> engine start time)")
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--overhead-n", type=int, default=200)
+    p.add_argument("--overhead-n", type=int, default=400,
+                   help="sequential requests per side for the added latency (direct, router, HAProxy interleaved)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--models-s", type=float, default=3.0, help="seconds of /v1/models at 16 clients, each way")
     p.add_argument("--loop", action="append", choices=("auto", "uvloop", "asyncio"),
