@@ -22,7 +22,7 @@ import structlog
 
 from router.backend import Attempt, Instance, Recovery, Service
 from router.errors import BackendFailed
-from router.forward import MIGRATABLE_PATHS, RETRY_STATUS, answer_headers, is_json_object
+from router.forward import MIGRATABLE_PATHS, RETRY_STATUS, is_json_object
 from router.upstream import ProtocolError, ResetError, Response
 
 log = structlog.get_logger(__name__)
@@ -61,7 +61,7 @@ class AnswerNow:
             return
         attempt.disarm()
         try:
-            self.answer(up.status, answer_headers(up.raw_headers), self.instance, data)
+            self.answer(up.status, up.client_lines(), self.instance, data)
         except Exception:  # never into the parser's callback: the task answers instead
             log.exception("answer_failed", instance=self.instance)
             attempt.rearm()
@@ -143,7 +143,7 @@ class Direct:
         self.over = True
         status, inst = up.status, self.inst
         try:
-            self.req.answer(status, answer_headers(up.raw_headers), inst.name, up.body())
+            self.req.answer(status, up.client_lines(), inst.name, up.body())
         except Exception:  # never into the parser's callback
             log.exception("answer_failed", instance=inst.name)
             self.front.keep_alive = False

@@ -75,9 +75,9 @@ def is_json_object(data: bytes) -> bool:
         return False
 
 
-def answer_headers(raw_headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The engine's end-to-end response headers, as bytes."""
-    return [(k, v) for k, v in raw_headers if k.lower() not in RESPONSE_DROP_B]
+def answer_lines(raw_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The engine's end-to-end response headers as the client's header lines (each ending in CRLF)."""
+    return b"".join([b"%b: %b\r\n" % (k, v) for k, v in raw_headers if k.lower() not in RESPONSE_DROP_B])
 
 
 def forward_headers(headers) -> bytes:

@@ -11,16 +11,27 @@ from email.utils import formatdate
 from http import HTTPStatus
 from multidict import CIMultiDict
 
-_date = ["", 0]
+_date = ["", 0, b""]
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
+_STATUS_LINES = {s: b"HTTP/1.1 %d %b\r\n" % (s, r.encode()) for s, r in _REASONS.items()}
 
 
 def http_date() -> str:
     now = int(time.time())
     if _date[1] != now:
         _date[0], _date[1] = formatdate(now, usegmt=True), now
+        _date[2] = _date[0].encode()
     return _date[0]
 
+
+def _date_b() -> bytes:
+    http_date()
+    return _date[2]
+
+
+def status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    return line if line is not None else b"HTTP/1.1 %d Unknown\r\n" % status
 
 
 class FastRequest:
@@ -41,19 +52,18 @@ class FastRequest:
     def raw_path(self) -> str:
         return self.path
 
-    def answer(self, status: int, headers: list[tuple[bytes, bytes]], instance: str, body: bytes) -> None:
-        """Write a whole response now (the proxy's bookkeeping comes after it); ``headers`` are the
-        engine's end-to-end ones. A client already gone is not an error here: its task ends."""
+    def answer(self, status: int, lines: bytes, instance: str, body: bytes) -> None:
+        """Write a whole response now (the proxy's bookkeeping comes after it); ``lines``: the
+        engine's end-to-end headers, as header lines. A client already gone is not an error here:
+        its task ends."""
         conn = self.conn
         conn.started = True
         if conn.closed or conn.transport.is_closing():
             conn.keep_alive = False
             return
-        lines = b"".join(b"%b: %b\r\n" % kv for kv in headers)
         close = b"" if conn.keep_alive else b"Connection: close\r\n"
-        conn.transport.write(b"HTTP/1.1 %d %b\r\n%bX-Failover-Instance: %b\r\nContent-Length: %d\r\nDate: %b\r\n%b\r\n%b"
-                             % (status, _REASONS.get(status, "Unknown").encode(), lines, instance.encode("latin-1"),
-                                len(body), http_date().encode(), close, body))
+        conn.transport.write(b"%b%bX-Failover-Instance: %b\r\nContent-Length: %d\r\nDate: %b\r\n%b\r\n%b"
+                             % (status_line(status), lines, instance.encode("latin-1"), len(body), _date_b(), close, body))
 
     def open_stream(self, headers: dict) -> "FastStream":
         """Start a chunked 200 (router/stream.py's SSE answer)."""

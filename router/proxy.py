@@ -20,7 +20,7 @@ from router.backend import Attempt, Instance, Recovery, Service
 from router.body import BodyBudget, read_body
 from router.config import RouterConfig
 from router.errors import BackendFailed, BodyRejected, NoPrimary, Saturated
-from router.forward import (MIGRATABLE_PATHS, RESPONSE_DROP, RETRY_STATUS, answer_headers, error_body,
+from router.forward import (MIGRATABLE_PATHS, RESPONSE_DROP, RETRY_STATUS, error_body,
                             forward_headers, is_json_object, parse_head)
 from router.metrics import Metrics
 from router.promotion import Promoter
@@ -256,7 +256,7 @@ class Proxy:
             inst.attempts.discard(attempt)
         if answer is not None:
             if now is None or not now.sent:
-                answer(up.status, answer_headers(up.raw_headers), inst.name, data)
+                answer(up.status, up.client_lines(), inst.name, data)
             if up.status < 400:
                 self.promoter.note_ok(inst)
             self.count(service, up.status, time.monotonic(), t0)

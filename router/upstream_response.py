@@ -12,6 +12,8 @@ import asyncio
 import collections
 from collections.abc import Callable
 
+from router.forward import answer_lines
+
 HIGH_WATER = 1 << 20  # response bytes buffered before the socket is paused (a slow client)
 
 
@@ -19,13 +21,14 @@ class Response:
     """One response; also its own ``content`` (``readany``/``at_eof``, as aiohttp's StreamReader)."""
 
     __slots__ = ("status", "content_type", "_chunks", "_size", "complete", "error",
-                 "_waiter", "_conn", "headers_done", "raw_headers", "keep_alive", "delimited", "sink",
+                 "_waiter", "_conn", "headers_done", "raw_headers", "lines", "keep_alive", "delimited", "sink",
                  "on_done", "waker", "whole")
 
     def __init__(self, conn) -> None:  # router/upstream.py's _Conn
         self._conn = conn
         self.status = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []  # as received (names as the engine spelt them)
+        self.lines: bytes | None = None  # client_lines(), once known
         self.content_type = ""
         self._chunks: collections.deque[bytes] = collections.deque()
         self._size = 0
@@ -50,6 +53,14 @@ class Response:
     def headers(self) -> list[tuple[str, str]]:
         """The headers, decoded (latin-1)."""
         return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw_headers]
+
+    def client_lines(self) -> bytes:
+        """The end-to-end headers as the client's header lines (router/forward.py ``answer_lines``);
+        router/answer_heads.py knows them already for a head it has seen."""
+        lines = self.lines
+        if lines is None:
+            self.lines = lines = answer_lines(self.raw_headers)
+        return lines
 
     @property
     def content(self) -> "Response":
