@@ -3,9 +3,10 @@
 Issue 20 (router24): httptools made a parser object for every request and called back into Python
 for every header. With an engine's forward pass between two requests that code runs cache-cold:
 the parse was 62-66 us of the router's ~290 us critical path on a whole completion here; this one
-is 44-48 us. (The same for the engine's answers was slower than httptools, 47-54 against 40-43 us,
-so router/upstream.py keeps httptools.) The head is checked by one match of a strict pattern and
-its fields split by one ``findall``, both in C; Python then looks at each field once.
+is 44-48 us. (The same for the engine's answers was slower than httptools, 47-54 against 40-43 us;
+router/answer_heads.py, router26, checks each distinct answer head once by the same pattern and
+remembers it.) The head is checked by one match of a strict pattern and its fields split by one
+``findall``, both in C; Python then looks at each field once.
 
 The pattern accepts a subset of what RFC 9112 allows, and nothing that it does not:
 - the request line is exactly ``GET|POST SP origin-form SP HTTP/1.1``;
@@ -23,9 +24,9 @@ import re
 
 _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]++"
 _VALUE = rb"[\t\x20-\x7e\x80-\xff]*+"
-_FIELDS = rb"(?:" + _TOKEN + rb":" + _VALUE + rb"\r\n)*+"
-_REQUEST = re.compile(rb"(GET|POST) (/[!-~]*+) HTTP/1\.1\r\n(" + _FIELDS + rb")\r\n")
-_FIELD = re.compile(rb"(" + _TOKEN + rb"):(" + _VALUE + rb")\r\n")
+FIELDS = rb"(?:" + _TOKEN + rb":" + _VALUE + rb"\r\n)*+"  # (router/answer_heads.py too)
+_REQUEST = re.compile(rb"(GET|POST) (/[!-~]*+) HTTP/1\.1\r\n(" + FIELDS + rb")\r\n")
+FIELD = re.compile(rb"(" + _TOKEN + rb"):(" + _VALUE + rb")\r\n")
 
 # A request with one of these goes to aiohttp's path (router/front.py): framing or semantics the
 # lean listener does not handle.
@@ -52,7 +53,7 @@ def request(head: bytes, drop: frozenset) -> Request | None:
     if m is None:
         return None
     fields, forward, length, keep_alive = [], [], None, True
-    for name, value in _FIELD.findall(m.group(3)):
+    for name, value in FIELD.findall(m.group(3)):
         value = value.strip(b" \t")
         lname = name.lower()
         if lname == b"content-length":

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from router.answer_heads import AnswerHeads
 from router.upstream_errors import ConnectError, ConnectTimeout, PoolClosed, ProtocolError, ResetError
 from router.upstream_response import HIGH_WATER, Response
 
@@ -49,6 +50,7 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.paused = False
         self.head = False  # the request in flight is a HEAD: its response has no body
+        self.fed: Response | None = None  # the response whose bytes httptools has seen
 
     # -- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -59,6 +61,9 @@ class _Conn(asyncio.Protocol):
         if resp is None or resp.complete:  # bytes while idle: not a response to anything
             self.close()
             return
+        if resp.whole and self.fed is not resp and not self.head and self._whole(resp, data):
+            return
+        self.fed = resp  # httptools has seen this response's bytes: it reads the rest
         try:
             self.parser.feed_data(data)
             if resp.sink is not None and resp._chunks:  # the relay: all this read's chunks in one call
@@ -90,6 +95,23 @@ class _Conn(asyncio.Protocol):
 
     def eof_received(self):
         return False  # close on the engine's FIN
+
+    def _whole(self, resp: Response, data: bytes) -> bool:
+        """A whole answer in this one read, inside router/heads.py's subset: the response as
+        httptools' callbacks would leave it, with one wake-up, and ``on_done``. The parser never saw
+        it, so it is still at a message's start, as after a complete one."""
+        a = self.pool.heads.read(data)
+        if a is None:
+            return False
+        resp.status, resp.raw_headers, resp.content_type, resp.keep_alive, resp.lines, body = a
+        resp.headers_done = resp.delimited = resp.complete = True
+        resp._chunks.append(body)
+        resp._size = len(body)
+        resp._wake()
+        if resp.on_done is not None:
+            done, resp.on_done = resp.on_done, None
+            done(resp)
+        return True
 
     # -- httptools callbacks ------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -231,6 +253,7 @@ class Pool:
         self._busy: set[_Conn] = set()
         self._connecting = 0
         self._slot_waiters: collections.deque[asyncio.Future] = collections.deque()
+        self.heads = AnswerHeads()  # its engine's whole-answer heads, checked once each
 
     def request(self, method: str, target: str, head: bytes, body: bytes | bytearray | None,
                 on_done: Callable[[Response], None] | None = None) -> _Request:
