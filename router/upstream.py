@@ -362,6 +362,10 @@ class Pool:
 
     async def close(self) -> None:
         """Close every connection now: requests in flight fail with ResetError."""
+        self.close_now()
+
+    def close_now(self) -> None:
+        """``close``, from a callback."""
         self.closed = True
         for conn in [*self._idle, *self._busy]:
             conn.close()
