@@ -71,9 +71,8 @@ class _Conn(asyncio.Protocol):
                 body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 chunks.clear()
                 resp.sink(body)
-            elif resp.complete and resp.on_done is not None:
-                done, resp.on_done = resp.on_done, None
-                done(resp)
+            elif resp.complete:
+                resp.hand_on()
         except httptools.HttpParserUpgrade:
             self._fail(ProtocolError("the engine upgraded the connection"))
         except httptools.HttpParserError as exc:
@@ -87,9 +86,7 @@ class _Conn(asyncio.Protocol):
             if resp.headers_done and not resp.delimited:
                 resp.complete = True  # delimited by the close itself (HTTP/1.0 style)
                 resp._wake()
-                if resp.on_done is not None:
-                    done, resp.on_done = resp.on_done, None
-                    done(resp)
+                resp.hand_on()
             else:
                 self._fail(ResetError("the engine closed the connection before its response ended"))
 
@@ -108,9 +105,7 @@ class _Conn(asyncio.Protocol):
         resp._chunks.append(body)
         resp._size = len(body)
         resp._wake()
-        if resp.on_done is not None:
-            done, resp.on_done = resp.on_done, None
-            done(resp)
+        resp.hand_on()
         return True
 
     # -- httptools callbacks ------------------------------------------------------------

@@ -62,6 +62,12 @@ class Response:
             self.lines = lines = answer_lines(self.raw_headers)
         return lines
 
+    def hand_on(self) -> None:
+        """Give a complete response to its ``on_done``, once."""
+        done, self.on_done = self.on_done, None
+        if done is not None:
+            done(self)
+
     @property
     def content(self) -> "Response":
         return self

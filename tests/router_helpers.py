@@ -267,6 +267,18 @@ class Load:
 
 # -- misbehaving backends (small real servers in the test's loop) --------------------------------
 @contextlib.asynccontextmanager
+async def serve_raw(handler) -> AsyncIterator[str]:
+    """``handler(reader, writer)`` on a raw socket at a free port: its URL."""
+    port = free_port()
+    server = await asyncio.start_server(handler, "127.0.0.1", port)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
 async def serve_app(app: web.Application, port: int) -> AsyncIterator[str]:
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
     await runner.setup()

@@ -6,15 +6,13 @@ the client gets the same answer either way."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 
 import httptools
 import pytest
 
-from conftest import free_port
 from router.answer_heads import LIMIT, AnswerHeads
-from router_helpers import running_router, tolerant, wait_for
+from router_helpers import running_router, serve_raw, tolerant, wait_for
 from test_router_front import post, read_response
 
 
@@ -147,18 +145,6 @@ class RawEngine:
             writer.close()
 
 
-@contextlib.asynccontextmanager
-async def raw_engine(plan: list):
-    engine = RawEngine(plan)
-    port = free_port()
-    server = await asyncio.start_server(engine.serve, "127.0.0.1", port)
-    try:
-        yield engine, f"http://127.0.0.1:{port}"
-    finally:
-        server.close()
-        await server.wait_closed()
-
-
 def completion(text: str, *lines: str) -> bytes:
     body = json.dumps({"id": "c", "choices": [{"index": 0, "text": text}]}).encode()
     return answer(body, "Content-Type: application/json", "X-Engine: raw", *lines)
@@ -169,7 +155,8 @@ async def test_whole_answers_reach_the_client_alike_whichever_reads_them():
     plan = [completion("warm"), completion("one"), completion("a longer second answer"),
             (completion("split")[:30], completion("split")[30:]),  # httptools reads this one
             completion("closing", "Connection: close"), completion("after the close")]
-    async with raw_engine(plan) as (engine, url):
+    engine = RawEngine(plan)
+    async with serve_raw(engine.serve) as url:
         async with running_router(tolerant(), primary=url) as router:
             svc = router.services["tiny"]
             await wait_for(lambda: svc.routable() is not None)

@@ -4,12 +4,10 @@ watched instance, reused probe after probe, and closed once the instance is no l
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
 
-from conftest import free_port
-from router_helpers import running_router, tolerant, wait_for
+from router_helpers import running_router, serve_raw, tolerant, wait_for
 
 pytestmark = pytest.mark.asyncio
 
@@ -37,19 +35,9 @@ class ReadyEngine:
             writer.close()
 
 
-@contextlib.asynccontextmanager
-async def ready_engine():
-    engine, port = ReadyEngine(), free_port()
-    server = await asyncio.start_server(engine.serve, "127.0.0.1", port)
-    try:
-        yield engine, f"http://127.0.0.1:{port}"
-    finally:
-        server.close()
-        await server.wait_closed()
-
-
 async def test_probes_reuse_one_connection_and_close_it_when_the_instance_goes():
-    async with ready_engine() as (a, url_a), ready_engine() as (b, url_b):
+    a, b = ReadyEngine(), ReadyEngine()
+    async with serve_raw(a.serve) as url_a, serve_raw(b.serve) as url_b:
         async with running_router(tolerant(), primary=url_a, standbys=[url_b]) as router:
             await wait_for(lambda: a.probes >= 10 and b.probes >= 10, what="ten probes each")
             # overlapping probes may open a second connection; ten probes on ten would be no reuse
