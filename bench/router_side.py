@@ -24,26 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines import EngineProc, free_port  # noqa: E402
-
-
-def renice(pid: int, nice: int) -> None:
-    """Every thread of ``pid`` at ``nice`` (Linux keeps a nice value per thread; new threads inherit
-    their creator's). A replacement engine started at nice 19 and set back to 0 once ready leaves
-    the cores to the new primary while it imports torch and warms up."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-        except (ProcessLookupError, PermissionError):
-            pass  # a thread that ended, or no right to raise priority back: it stays as it is
+from failover.procs import priority  # noqa: E402
 
 
 async def replacement(e: EngineProc, nice: int) -> None:
-    """Wait for a replacement engine to be ready, at ``nice`` meanwhile (0: as is)."""
-    if nice:
-        renice(e.pid, nice)
+    """Wait for a replacement engine to be ready, ``nice`` below ours meanwhile (0: as is), as the
+    supervisor starts a standby (``supervisor.standby_nice``, failover.procs.priority)."""
+    pgid = priority.lower(e.pid, nice) if nice else None
     await e.wait_ready()
-    if nice:
-        renice(e.pid, 0)
+    if pgid is not None:
+        priority.restore(pgid)
 
 
 async def start_router(model: Path, logs: Path, port: int, token: Path, nice: int = 0):

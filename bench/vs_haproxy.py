@@ -12,7 +12,9 @@ configured as aggressively as it allows: primary as a normal server, standby as 
 `check inter 100ms fall 1 rise 1`, `observe layer4 error-limit 1 on-error mark-down`, `retries 3`,
 `option redispatch`, `retry-on all-retryable-errors`. In both phases a killed engine is replaced by a
 fresh process at once (for HAProxy on the same port, as its configuration is static; for our router
-as a new standby, registered when ready, which is what the supervisor does).
+as a new standby, registered when ready, which is what the supervisor does). In both, the replacement
+starts `--nice-replacement` nice levels down and gets its priority back once ready, as the supervisor
+starts a standby (`supervisor.standby_nice`, 10 by default).
 
 Added latency (before the load and the kills): sequential one-token completions, direct to the
 primary and through each proxy, interleaved one request at a time. In the router phase HAProxy is
@@ -46,6 +48,7 @@ from engines import EngineProc, free_port  # noqa: E402
 from client_figures import line as client_line  # noqa: E402
 from loadgen import Load, closed_loop, percentile, summary  # noqa: E402
 from router_side import RouterSide, replacement  # noqa: E402
+from failover.config.schema import SupervisorConfig  # noqa: E402
 
 HAPROXY_CFG = """
 global
@@ -409,8 +412,10 @@ def main() -> int:
                    help="the router's event loop; repeat for one router phase each (default: auto)")
     p.add_argument("--cpu", type=float, default=0.0, metavar="S",
                    help="only the router's CPU per request and per SSE event, S seconds per kind, no faults")
-    p.add_argument("--nice-replacement", type=int, default=0, metavar="N",
-                   help="start each replacement engine (both phases) at nice N until it is ready")
+    p.add_argument("--nice-replacement", type=int, default=SupervisorConfig().standby_nice, metavar="N",
+                   help="start each replacement engine (both phases) N nice levels below the bench until it "
+                        "is ready, as the supervisor starts a standby (default: its supervisor.standby_nice, "
+                        "%(default)s; 0: as is)")
     p.add_argument("--in-process", action="store_true", help="run the router on the bench's own loop")
     p.add_argument("--router-workers", type=int, action="append", metavar="N",
                    help="N router processes on the one port (failover router --workers; docs/router.md); "

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from failover.procs import priority
 from supervisor_helpers import REPO, Load, Node, alive, http, wait_until
 
 
@@ -41,6 +42,12 @@ def test_kill_primary_under_load_switches_and_relaunches_through_the_zygote(node
     assert slot["last_relaunch_ms"] is not None
     assert node.status()["last_failover"]["chat"]["old"] == primary["name"]
     assert "launch=zygote" in node.log() or '"launch": "zygote"' in node.log()
+    # the replacement standby started below the supervisor's CPU priority, and is back at it, ready
+    new = back[1]["pid"]
+    for event in ("standby_priority_lowered", "standby_priority_restored"):
+        assert any(f'"pid": {new},' in line or f"pid={new} " in line
+                   for line in node.log().splitlines() if event in line), (event, node.log()[-2000:])
+    assert set(priority.nice_of(new)) == {priority.base()}
 
 
 def test_kill_standby_zygote_and_daemon_each_replaced_while_serving(node):

@@ -95,6 +95,9 @@ class SupervisorConfig(_Base):
     ping_interval: Positive = 0.5
     ping_timeout: Positive = 1.5  # a frozen daemon or zygote is noticed within 1.5 s of its last answer
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # an online service's standby starts this much below the supervisor's CPU priority (nice, 0: off)
+    # and gets it back once ready: its start leaves the cores to the primary (failover.procs.priority)
+    standby_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
 
 
 class BatchConfig(_Base):

@@ -3,7 +3,9 @@ server (a process tree, failover.node.engine_kinds), or a service's own command 
 engine), then waiting for its readiness path (/ready; vLLM: /health).
 
 The slot's state moves STOPPED|EXITED -> STARTING -> RUNNING here; a process that never becomes ready
-is stopped again before the error goes up.
+is stopped again before the error goes up. An online service's standby starts
+``supervisor.standby_nice`` below the supervisor's CPU priority and gets it back before it counts as
+ready (failover.procs.priority): its start leaves the cores to the primary.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from failover.node.engine_kinds import (kind_of, read_weights_report, vllm_argv,
 from failover.procs import slots
 from failover.procs.slots import Slot
 from failover.procs import child as processes
-from failover.procs import launch
+from failover.procs import launch, priority
 from failover.procs.child import Child, ChildFailed
 from failover.procs.tree import TreeChild
 
@@ -39,6 +41,10 @@ class EngineStarter:
         self.child_output, self.progress = child_output, progress
         self.session: aiohttp.ClientSession | None = None  # opened by the supervisor's start()
         self.cold = False  # set at shutdown: no more forks from the zygote
+        self.standby_nice = self.sup.standby_nice
+        if self.standby_nice and (why := priority.why_not()) is not None:
+            log.warning("standby_priority_off", standby_nice=self.standby_nice, reason=why)
+            self.standby_nice = 0
 
     async def launch(self, slot: Slot, svc: ServiceConfig, reason: str,
                      on_exit: Callable[[Child], None], *, primary: bool) -> None:
@@ -62,6 +68,7 @@ class EngineStarter:
             slot.change(slots.STOPPED, "launch cancelled")
             raise
         slot.child, slot.launched_at = child, time.monotonic()
+        lowered = self._lower(slot, child) if not primary and svc.kind == "online" else None
         assert self.session is not None
         ready_path = kind.ready_path if svc.command is None else svc.ready_path
         try:
@@ -71,6 +78,8 @@ class EngineStarter:
         except (ChildFailed, asyncio.CancelledError):
             await slot.stop("not ready", self.sup.stop_timeout)  # never became ready, or we gave up on it
             raise
+        if lowered is not None:
+            await self._restore(slot, child, lowered)
         if isinstance(child, TreeChild):
             child.scan()  # its shared-memory files, removed after it (failover.procs.tree)
             # vLLM's /health has no body: its model loader (failover_vllm) reported where its weights came from
@@ -79,6 +88,32 @@ class EngineStarter:
         slot.kv_bytes = info.get("kv_bytes") if isinstance(info.get("kv_bytes"), int) else None
         slot.change(slots.RUNNING, "ready", pid=child.pid, weights_source=info.get("weights_source"),
                     ready_ms=round((slot.ready_at - slot.launched_at) * 1e3, 1))
+
+    def _lower(self, slot: Slot, child: Child) -> int | None:
+        """A standby's process group ``standby_nice`` below ours until it is ready (None: as is)."""
+        if not self.standby_nice:
+            return None
+        try:
+            pgid = priority.lower(child.pid, self.standby_nice)
+        except (OSError, ValueError) as e:  # gone already, or not in a group of its own: as is
+            log.warning("standby_priority_not_lowered", slot=slot.name, pid=child.pid, error=str(e))
+            return None
+        log.info("standby_priority_lowered", slot=slot.name, pid=child.pid, pgid=pgid,
+                 nice=min(priority.MAX_NICE, priority.base() + self.standby_nice))
+        return pgid
+
+    async def _restore(self, slot: Slot, child: Child, pgid: int) -> None:
+        """Our priority back to a ready standby's group. Refused (a right taken away since start):
+        it must not serve as a primary that low, so it is stopped and the launch fails; later
+        standbys start as they are."""
+        try:
+            priority.restore(pgid)
+        except PermissionError as e:
+            log.error("standby_priority_not_restored", slot=slot.name, pid=child.pid, error=str(e))
+            self.standby_nice = 0
+            await slot.stop("priority not restored", self.sup.stop_timeout)
+            raise ChildFailed(f"{slot.name}: its CPU priority could not be restored: {e}") from None
+        log.info("standby_priority_restored", slot=slot.name, pid=child.pid, nice=priority.base())
 
     async def _start_process(self, slot: Slot, svc: ServiceConfig, on_exit, kv: int) -> Child:
         if svc.engine == "vllm":
