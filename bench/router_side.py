@@ -30,7 +30,7 @@ from failover.procs import priority  # noqa: E402
 async def replacement(e: EngineProc, nice: int) -> None:
     """Wait for a replacement engine to be ready, ``nice`` below ours meanwhile (0: as is), as the
     supervisor starts a standby (``supervisor.standby_nice``, failover.procs.priority)."""
-    pgid = priority.lower(e.pid, nice) if nice else None
+    pgid = priority.lower(e.pid, nice)[0] if nice else None
     await e.wait_ready()
     if pgid is not None:
         priority.restore(pgid)

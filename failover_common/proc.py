@@ -42,6 +42,21 @@ def become_subreaper() -> None:
     prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
+def stat_fields(path: str) -> list[bytes]:
+    """A /proc stat file's fields after the command name: [0] is stat(5)'s field 3 (the state)."""
+    with open(path, "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()
+
+
+def has_capability(bit: int) -> bool:
+    """Whether this process holds capability ``bit`` (capabilities(7)) in its effective set."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> bit & 1)
+    return False
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` exists (a zombie counts as alive; another user's process too)."""
     try:

@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from failover.procs import priority
+from failover_common.proc import has_capability
 from supervisor_helpers import REPO, alive, wait_until
 
 # an "engine": a thread now, a child process in its group, one more thread on each line of stdin
@@ -43,7 +44,7 @@ def test_lower_reaches_every_thread_and_child_and_new_threads_and_restore_gives_
     p, grandchild = engine(procs)
     assert priority.nice_of(p.pid) == [base, base]
 
-    pgid = priority.lower(p.pid, 7)
+    pgid, _ = priority.lower(p.pid, 7)
     assert pgid == p.pid  # it leads its own group (its own session)
     low = min(19, base + 7)
     assert priority.nice_of(p.pid) == [low, low]
@@ -61,8 +62,8 @@ def test_lower_reaches_every_thread_and_child_and_new_threads_and_restore_gives_
 
 def test_lowering_caps_at_19_and_refuses_our_own_group(procs):
     p, _ = engine(procs)
-    priority.restore(priority.lower(p.pid, 19))
-    pgid = priority.lower(p.pid, 40)
+    priority.restore(priority.lower(p.pid, 19)[0])
+    pgid, _ = priority.lower(p.pid, 40)
     assert set(priority.nice_of(p.pid)) == {19}
     priority.restore(pgid)
     with pytest.raises(ValueError, match="own process group"):
@@ -71,7 +72,7 @@ def test_lowering_caps_at_19_and_refuses_our_own_group(procs):
 
 def test_a_gone_group_is_nothing_to_restore(procs):
     p, grandchild = engine(procs)
-    pgid = priority.lower(p.pid, 5)
+    pgid, _ = priority.lower(p.pid, 5)
     os.killpg(pgid, 9)
     p.wait(10)
     wait_until(lambda: not alive(grandchild), 10, "the group gone")
@@ -87,7 +88,7 @@ UNPRIVILEGED = textwrap.dedent("""
     soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:
-        pgid = priority.lower(child.pid, 5)
+        pgid, _ = priority.lower(child.pid, 5)
         low = priority.nice_of(child.pid)
         try:
             priority.restore(pgid)
@@ -101,6 +102,7 @@ UNPRIVILEGED = textwrap.dedent("""
     print(json.dumps({"why": why, "soft": soft, "low": low, "restored": restored, "after": after}))
 """)
 PR_CAPBSET_DROP = 24
+CAP_SETPCAP, CAP_SYS_RESOURCE = 8, 24
 
 
 def unprivileged(nice_limit: tuple[int, int]) -> dict:
@@ -120,18 +122,14 @@ def unprivileged(nice_limit: tuple[int, int]) -> dict:
 
 
 def can_drop_caps() -> bool:
-    with open("/proc/self/status") as f:  # CAP_SETPCAP (8): may drop from the bounding set
-        return any(line.startswith("CapEff:") and int(line.split()[1], 16) >> 8 & 1 for line in f)
+    return has_capability(CAP_SETPCAP)  # may drop from the bounding set
 
 
 def can_raise_nice_limit(to: int) -> bool:
     import resource
 
     hard = resource.getrlimit(resource.RLIMIT_NICE)[1]
-    if hard == resource.RLIM_INFINITY or hard >= to:
-        return True
-    with open("/proc/self/status") as f:  # CAP_SYS_RESOURCE (24): may raise a hard limit
-        return any(line.startswith("CapEff:") and int(line.split()[1], 16) >> 24 & 1 for line in f)
+    return hard == resource.RLIM_INFINITY or hard >= to or has_capability(CAP_SYS_RESOURCE)
 
 
 @pytest.mark.skipif(not can_drop_caps(), reason="dropping CAP_SYS_NICE needs CAP_SETPCAP")

@@ -94,12 +94,11 @@ class EngineStarter:
         if not self.standby_nice:
             return None
         try:
-            pgid = priority.lower(child.pid, self.standby_nice)
+            pgid, nice = priority.lower(child.pid, self.standby_nice)
         except (OSError, ValueError) as e:  # gone already, or not in a group of its own: as is
             log.warning("standby_priority_not_lowered", slot=slot.name, pid=child.pid, error=str(e))
             return None
-        log.info("standby_priority_lowered", slot=slot.name, pid=child.pid, pgid=pgid,
-                 nice=min(priority.MAX_NICE, priority.base() + self.standby_nice))
+        log.info("standby_priority_lowered", slot=slot.name, pid=child.pid, pgid=pgid, nice=nice)
         return pgid
 
     async def _restore(self, slot: Slot, child: Child, pgid: int) -> None:

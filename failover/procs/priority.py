@@ -22,16 +22,10 @@ from __future__ import annotations
 import os
 import resource
 
+from failover_common.proc import has_capability, stat_fields
+
 CAP_SYS_NICE = 23
 MAX_NICE = 19
-
-
-def _has_cap_sys_nice() -> bool:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("CapEff:"):
-                return bool(int(line.split()[1], 16) >> CAP_SYS_NICE & 1)
-    return False
 
 
 def base() -> int:
@@ -41,9 +35,10 @@ def base() -> int:
 
 def why_not() -> str | None:
     """None when this process may give a lowered engine its own nice value back; else why not."""
-    if _has_cap_sys_nice():
+    if has_capability(CAP_SYS_NICE):
         return None
-    need = 20 - base()
+    mine = base()
+    need = 20 - mine
     soft, hard = resource.getrlimit(resource.RLIMIT_NICE)
     inf = resource.RLIM_INFINITY
     if soft != inf and soft < need and (hard == inf or hard >= need):
@@ -51,7 +46,7 @@ def why_not() -> str | None:
         soft = need
     if soft == inf or soft >= need:
         return None
-    return (f"raising a nice value back to {base()} needs CAP_SYS_NICE or RLIMIT_NICE >= {need} "
+    return (f"raising a nice value back to {mine} needs CAP_SYS_NICE or RLIMIT_NICE >= {need} "
             f"(it is {soft}, hard limit {hard}): LimitNICE={need} in a systemd unit, or ulimit -e {need}")
 
 
@@ -71,12 +66,13 @@ def set_group(pgid: int, nice: int) -> None:
         pass
 
 
-def lower(pid: int, by: int) -> int:
+def lower(pid: int, by: int) -> tuple[int, int]:
     """Put ``pid``'s process group ``by`` below this process's priority (nice capped at 19); returns
-    the group, for ``restore``."""
+    (the group, for ``restore``; the nice value it now has)."""
     pgid = group_of(pid)
-    set_group(pgid, min(MAX_NICE, base() + by))
-    return pgid
+    nice = min(MAX_NICE, base() + by)
+    set_group(pgid, nice)
+    return pgid, nice
 
 
 def restore(pgid: int) -> None:
@@ -90,8 +86,7 @@ def nice_of(pid: int) -> list[int]:
     out = []
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                out.append(int(f.read().rsplit(b")", 1)[1].split()[16]))
+            out.append(int(stat_fields(f"/proc/{pid}/task/{tid}/stat")[16]))
         except (FileNotFoundError, ProcessLookupError):
             pass  # a thread that ended meanwhile
     return out

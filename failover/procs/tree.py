@@ -37,6 +37,7 @@ import time
 import structlog
 
 from failover.procs.child import Child
+from failover_common.proc import stat_fields
 
 log = structlog.get_logger(__name__)
 
@@ -53,8 +54,7 @@ def group_members(pgid: int) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
+            fields = stat_fields(f"/proc/{entry}/stat")
         except OSError:
             continue
         # fields[0] is the state, fields[2] the process group (stat(5): fields 3 and 5)
