@@ -222,6 +222,11 @@ class Front:
                 raise RuntimeError(f"haproxy did not serve: {(self.dir / 'haproxy.log').read_text()[-2000:]}")
             time.sleep(0.05)
 
+    def log(self) -> str:
+        """What HAProxy printed (in the foreground it reports each server going DOWN or UP)."""
+        path = self.dir / "haproxy.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()

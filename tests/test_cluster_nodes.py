@@ -35,8 +35,17 @@ def log_rows(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
-def assert_clean(streams: Streams) -> None:
-    assert not streams.failures, streams.failures[:5]
+def what_went_on(rig, last: int = 12) -> str:
+    """For a failure's message: the front's last lines and each router's last warnings."""
+    parts = ["haproxy:\n" + "\n".join(rig.front.log().splitlines()[-last:])]
+    for r in rig.routers:
+        rows = [row for row in log_rows(r.log()) if row.get("level") in ("warning", "error")]
+        parts.append(f"{r.name}:\n" + "\n".join(json.dumps(row) for row in rows[-last:]))
+    return "\n".join(parts)
+
+
+def assert_clean(streams: Streams, rig) -> None:
+    assert not streams.failures, (len(streams.failures), streams.failures[:3], what_went_on(rig))
     assert not streams.mismatches, streams.mismatches[:5]
     assert streams.ok > 0
 
@@ -50,7 +59,7 @@ def test_kill_9_of_the_primary_engine_fails_over_to_the_other_node(rig):
     wait_until(lambda: rig.primary() != before, 20, "a promotion")
     rig.settle()  # the killed engine is relaunched on its own node and rejoins as the standby
     s.stop()
-    assert_clean(s)
+    assert_clean(s, rig)
     assert rig.primary().endswith("@" + rig.other(node).name)
     assert etcd_get(rig.etcd.endpoints, KEY)["mod_revision"] > rev
     assert set(node.engine_pids()).isdisjoint(old_pids), "the standby is not a fresh process"
@@ -130,7 +139,7 @@ def test_kill_9_of_the_whole_primary_node_promotes_the_other_nodes_standby_then_
     wait_until(lambda: rig.primary() != before, 20, "a promotion")
     time.sleep(1.0)
     s.stop()
-    assert_clean(s)
+    assert_clean(s, rig)
     won = claims_after(rig, before)
     assert len(won) == 1 and won[0]["instance"] == "chat-0@a", won  # never b's own standby
     assert rig.primary() == "chat-0@a"
@@ -153,7 +162,7 @@ def test_drain_of_the_cluster_primary_switches_over_by_cas_then_drains_failing_n
     assert key["value"]["reason"] == "drain" and key["value"]["by"] == "r1"
     rig.settle()  # every router on the new primary; the drained one back as a fresh standby
     s.stop()
-    assert_clean(s)
+    assert_clean(s, rig)
     assert rig.primary() != before and etcd_get(rig.etcd.endpoints, KEY)["version"] == version + 1
     new_pid = next(x["pid"] for x in node.status()["supervisor"]["slots"] if x["slot"] == slot)
     assert new_pid != old_pid, "the drained engine was not recycled"
@@ -174,7 +183,7 @@ def test_sigstop_of_a_whole_node_past_the_ttl_is_fenced_and_never_primary_again(
                    "the frozen node's lease to expire")
         time.sleep(0.5)
         s.stop()
-        assert_clean(s)
+        assert_clean(s, rig)
     finally:
         signal_all(pids, signal.SIGCONT)
     # Back: it learns that its instance lost the primary key, fences it, registers again under a
@@ -218,7 +227,7 @@ def test_sigstop_of_the_etcd_member_in_use_moves_everyone_off_it_and_a_promotion
         wait_until(lambda: rig.primary() != before, 20, "a promotion with one member frozen")
         rig.settle()  # both routers follow, the killed engine is back as the standby
         s.stop()
-        assert_clean(s)
+        assert_clean(s, rig)
         for r in rig.routers:
             doc = r.status()["cluster"]
             assert not doc["held"] and doc["etcd"][0] != rig.etcd.endpoints[frozen], doc["etcd"]
@@ -241,7 +250,7 @@ def test_kill_9_of_one_etcd_member_then_a_failover_still_goes_through(rig):
         wait_until(lambda: rig.primary() != before, 20, "a promotion with 2 of 3 members")
         rig.settle()
         s.stop()
-        assert_clean(s)
+        assert_clean(s, rig)
     finally:
         rig.etcd.restart(0)
         rig.etcd.wait_healthy(members=[0])
