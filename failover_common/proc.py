@@ -57,6 +57,14 @@ def has_capability(bit: int) -> bool:
     return False
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie: its exit leaves no process to reap."""
+    try:
+        return stat_fields(f"/proc/{pid}/stat")[0] not in (b"Z", b"X")
+    except OSError:  # gone (ENOENT, ESRCH)
+        return False
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` exists (a zombie counts as alive; another user's process too)."""
     try:

@@ -13,6 +13,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from failover_common.proc import running
+
 
 def child_main(argv: list[str]) -> int:
     """A zygote target for tests: sleep ``argv[1]`` seconds (default 0), exit with code ``argv[0]``."""
@@ -155,13 +157,7 @@ def wait_until(predicate, timeout: float = 30.0, what: str = "condition", interv
         time.sleep(interval)
 
 
-def alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
+alive = running  # True while ``pid`` runs (a zombie counts as gone)
 
 
 class Node:

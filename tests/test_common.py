@@ -16,6 +16,7 @@ import tenacity
 from cache_daemon.layout import resolve_dtype, undivided_by_tp
 from failover_common import frames
 from failover_common.ports import HIGH, LOW, free_ports, port_is_free
+from failover_common.proc import pid_alive, running
 from failover_common.sizes import parse_size
 
 
@@ -108,21 +109,29 @@ def test_a_child_armed_with_die_with_parent_goes_with_its_parent():
         parent.kill()
         parent.wait(10)
         deadline = time.monotonic() + 10
-        while _running(child) and time.monotonic() < deadline:
+        while running(child) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert not _running(child)
+        assert not running(child)
     finally:
         parent.kill()
         parent.stdout.close()
         parent.wait(10)
 
 
-def _running(pid: int) -> bool:
+def test_running_is_false_for_a_zombie_and_for_a_reaped_process():
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
+        assert running(child.pid) and pid_alive(child.pid)
+        child.stdin.close()  # it exits; unreaped, it is a zombie
+        deadline = time.monotonic() + 10
+        while running(child.pid):
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.02)
+        assert pid_alive(child.pid), "reaped already: the zombie case was not reached"
+    finally:
+        child.kill()
+        child.wait(10)
+    assert not running(child.pid) and not pid_alive(child.pid)
 
 
 # -- backoff and the restart policy --------------------------------------------------------------

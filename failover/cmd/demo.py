@@ -29,6 +29,7 @@ from failover_common.logs import configure_logging
 from failover.config.schema import parse_config
 from failover_common.client_figures import fault_figures, line, requests_summary, summarize
 from failover_common.ports import free_ports
+from failover_common.proc import running
 
 
 def free_port_pair() -> int:
@@ -148,7 +149,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> int:
         pids = [c.pid for c in (sup.daemon.child, sup.zygote.child, *(s.child for s in sup.slots.values())) if c]
         await sup.stop()
         log_file.close()
-        left = [p for p in pids if _alive(p)]
+        left = [p for p in pids if running(p)]
         run_left = config.run_path.exists()
         tl.now(f"shut down in {time.monotonic() - t_stop:.2f} s; processes left: {len(left)}; "
                f"run dir left: {'yes' if run_left else 'no'}")
@@ -243,14 +244,6 @@ async def _until(predicate, timeout: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("the demo waited too long; see the node log")
         await asyncio.sleep(0.005)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def main(argv: list[str]) -> int:

@@ -11,6 +11,7 @@ import os
 import time
 
 from failover.procs.memory import gpu_pids
+from failover_common.proc import running
 
 VERIFY_TIMEOUT = 5.0  # process tree gone and off the GPU after the engine exited
 
@@ -35,19 +36,11 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
 async def verify_released(pids: list[int], device: str, timeout: float = VERIFY_TIMEOUT) -> bool:
     """Every process of an evicted engine is gone and (CUDA) off the GPU; False after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
-        if all(_gone(p) for p in pids):
+        if not any(running(p) for p in pids):
             if device != "cuda":
                 return True
             on_gpu = await asyncio.to_thread(gpu_pids)
