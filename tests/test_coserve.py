@@ -15,6 +15,7 @@ import sys
 import time
 from collections import Counter
 
+from failover.procs.priority import nice_of
 from coserve_helpers import Burst, CoNode, batch_input, essence, node_config, read_output
 from supervisor_helpers import REPO, Load, wait_until
 
@@ -138,6 +139,12 @@ def test_a_relaunch_that_needs_the_memory_evicts_the_batch_first(procs, tiny_mod
     try:
         standby = wait_until(lambda: (p := node.serving_pair()) and p[1], 60, "a ready standby")
         wait_until(lambda: node.batch("offline")["state"] == "running", 30, "the batch running")
+        # the batch engine runs batch.nice (10) below the supervisor, every thread; the online
+        # primary and its ready standby at the supervisor's own priority
+        base = os.getpriority(os.PRIO_PROCESS, 0)  # the supervisor's: `failover up` inherits ours
+        assert set(nice_of(node.slot("offline-0")["pid"])) == {min(19, base + 10)}
+        for inst in node.serving_pair():
+            assert set(nice_of(inst["pid"])) == {base}, inst
         os.kill(standby["pid"], signal.SIGKILL)
         wait_until(lambda: node.batch("offline")["preemptions"] == 1, 30, "the memory eviction")
         assert node.batch("offline")["last_preempt"]["reason"] == "memory"
@@ -148,9 +155,11 @@ def test_a_relaunch_that_needs_the_memory_evicts_the_batch_first(procs, tiny_mod
         assert res.returncode == 0, res.stderr
         wait_until(lambda: node.batch("offline")["state"] == "done", 90, "the batch done")
         events = node.events("batch_preempted")
+        lowered = node.events("batch_priority_lowered")
     finally:
         node.stop()
     assert [e["reason"] for e in events] == ["memory"] and events[0]["memory_verified"] is True
+    assert len(lowered) == 2 and all(e["nice"] == min(19, base + 10) for e in lowered), lowered  # resumed too
     assert Counter(r["id"] for r in read_output(run_dir / "out.jsonl")) == Counter(ids)
 
 

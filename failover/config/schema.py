@@ -122,6 +122,9 @@ class BatchConfig(_Base):
     evict_timeout: Positive = 0.5  # SIGTERM -> SIGKILL of the batch engine at eviction
     memory_margin: int | str = "512MiB"  # free memory kept beyond a KV budget (see docs: co-serving)
     output_mode: int = 0o600  # of a new output; an existing one may grant group/others no more (never write)
+    # the batch engine runs this much below the supervisor's CPU priority for its whole life (nice,
+    # 0: as is): on busy cores the online engines and the router go first (failover.procs.priority)
+    nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
 
     @property
     def memory_margin_bytes(self) -> int:

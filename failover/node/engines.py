@@ -5,7 +5,8 @@ engine), then waiting for its readiness path (/ready; vLLM: /health).
 The slot's state moves STOPPED|EXITED -> STARTING -> RUNNING here; a process that never becomes ready
 is stopped again before the error goes up. An online service's standby starts
 ``supervisor.standby_nice`` below the supervisor's CPU priority and gets it back before it counts as
-ready (failover.procs.priority): its start leaves the cores to the primary.
+ready (failover.procs.priority): its start leaves the cores to the primary. A batch engine runs
+``batch.nice`` below it for its whole life: lowering needs no right, and nothing gives it back.
 """
 
 from __future__ import annotations
@@ -68,7 +69,11 @@ class EngineStarter:
             slot.change(slots.STOPPED, "launch cancelled")
             raise
         slot.child, slot.launched_at = child, time.monotonic()
-        lowered = self._lower(slot, child) if not primary and svc.kind == "online" else None
+        lowered = None
+        if svc.kind == "online" and not primary:
+            lowered = self._lower(slot, child, self.standby_nice, "standby")
+        elif svc.kind == "batch" and svc.batch is not None:
+            self._lower(slot, child, svc.batch.nice, "batch")  # for good: nothing gives it back
         assert self.session is not None
         ready_path = kind.ready_path if svc.command is None else svc.ready_path
         try:
@@ -89,16 +94,17 @@ class EngineStarter:
         slot.change(slots.RUNNING, "ready", pid=child.pid, weights_source=info.get("weights_source"),
                     ready_ms=round((slot.ready_at - slot.launched_at) * 1e3, 1))
 
-    def _lower(self, slot: Slot, child: Child) -> int | None:
-        """A standby's process group ``standby_nice`` below ours until it is ready (None: as is)."""
-        if not self.standby_nice:
+    def _lower(self, slot: Slot, child: Child, by: int, role: str) -> int | None:
+        """``child``'s process group ``by`` below our priority (``role``: "standby" until it is ready,
+        "batch" for good); its pgid, or None when left as is."""
+        if not by:
             return None
         try:
-            pgid, nice = priority.lower(child.pid, self.standby_nice)
+            pgid, nice = priority.lower(child.pid, by)
         except (OSError, ValueError) as e:  # gone already, or not in a group of its own: as is
-            log.warning("standby_priority_not_lowered", slot=slot.name, pid=child.pid, error=str(e))
+            log.warning(f"{role}_priority_not_lowered", slot=slot.name, pid=child.pid, error=str(e))
             return None
-        log.info("standby_priority_lowered", slot=slot.name, pid=child.pid, pgid=pgid, nice=nice)
+        log.info(f"{role}_priority_lowered", slot=slot.name, pid=child.pid, pgid=pgid, nice=nice)
         return pgid
 
     async def _restore(self, slot: Slot, child: Child, pgid: int) -> None:
