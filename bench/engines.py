@@ -23,14 +23,17 @@ def free_port() -> int:
 
 
 class EngineProc:
-    """One ``failover engine`` process (disk weights unless told otherwise), in its own process group."""
+    """One ``failover engine`` process (disk weights unless told otherwise), in its own process group.
+    ``cpu_threads`` (class-wide, set from a bench's command line): its ``--cpu-threads`` (0: torch's)."""
+
+    cpu_threads = 0
 
     def __init__(self, model: Path, port: int | None = None, *, extra: tuple[str, ...] = (),
                  log_dir: Path | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "failover", "engine", "--model", str(model), "--weights", "disk",
-                "--device", "cpu", "--port", str(self.port), *extra]
+                "--device", "cpu", "--port", str(self.port), "--cpu-threads", str(self.cpu_threads), *extra]
         out = open(log_dir / f"engine-{self.port}-{time.monotonic_ns()}.log", "wb") if log_dir else subprocess.DEVNULL
         self.proc = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))

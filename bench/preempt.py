@@ -42,7 +42,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from failover_common.logs import configure_logging  # noqa: E402
-from failover.config.schema import parse_config  # noqa: E402
+from failover.config.schema import BatchConfig, parse_config  # noqa: E402
 from failover.cmd.demo import free_port_pair  # noqa: E402
 
 
@@ -70,6 +70,10 @@ def write_input(path: Path, a: argparse.Namespace) -> list[str]:
     return ids
 
 
+def threads(n: int | None) -> dict:
+    return {} if n is None else {"cpu_threads": n}
+
+
 def config_for(a: argparse.Namespace, workdir: Path, model: Path):
     ports = [free_port_pair() for _ in range(3)]
     return parse_config({
@@ -79,11 +83,12 @@ def config_for(a: argparse.Namespace, workdir: Path, model: Path):
         "supervisor": {"log_level": "warning", "ready_timeout": 600.0},
         "service": [
             {"name": "chat", "kind": "online", "priority": 100, "standbys": a.standbys,
-             "kv_memory": a.kv_memory, "port": ports[1]},
+             "kv_memory": a.kv_memory, "port": ports[1], **threads(a.online_threads)},
             {"name": "offline", "kind": "batch", "priority": 10, "standbys": 0, "kv_memory": a.batch_kv_memory,
-             "max_batch": a.concurrency, "port": ports[2],
+             "max_batch": a.concurrency, "port": ports[2], **threads(a.batch_threads),
              "batch": {"input": str(workdir / "in.jsonl"), "output": str(workdir / "out.jsonl"),
-                       "concurrency": a.concurrency, "watch": [], "evict_timeout": a.evict_timeout}},
+                       "concurrency": a.concurrency, "watch": [], "evict_timeout": a.evict_timeout,
+                       "nice": a.batch_nice}},
         ],
     }, source="bench-preempt")
 
@@ -273,6 +278,12 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--run", type=float, default=1.5, help="seconds the batch runs before each preemption")
     p.add_argument("--pause", type=float, default=0.5, help="seconds preempted in each round")
+    p.add_argument("--batch-nice", type=int, default=BatchConfig(input="", output="").nice, metavar="N",
+                   help="nice levels the batch engine runs below the node (default: batch.nice's; 0: as is)")
+    p.add_argument("--online-threads", type=int, default=None, metavar="N",
+                   help="cpu_threads of the online service (default: the node's share of the cores)")
+    p.add_argument("--batch-threads", type=int, default=None, metavar="N",
+                   help="cpu_threads of the batch service (default: the node's share of the cores)")
     p.add_argument("--evict-timeout", type=float, default=0.5, help="SIGTERM -> SIGKILL of the batch engine")
     p.add_argument("--finish-timeout", type=float, default=900.0)
     a = p.parse_args()
@@ -281,7 +292,8 @@ def main() -> int:
     print(machine())
     print(f"model={a.model or 'tiny (random, 2 layers)'} device={a.device} dtype={a.dtype} tp={a.tp} "
           f"items={a.items} max_tokens={a.max_tokens} concurrency={a.concurrency} clients={a.clients} "
-          f"rounds={a.rounds} phase={a.phase}s")
+          f"rounds={a.rounds} phase={a.phase}s batch_nice={a.batch_nice} "
+          f"online_threads={a.online_threads or 'default'} batch_threads={a.batch_threads or 'default'}")
     workdir = Path(tempfile.mkdtemp(prefix="fo-bench-", dir="/tmp"))
     try:
         from failover.tools.tiny_model import TinySpec, write_checkpoint

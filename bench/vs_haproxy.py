@@ -386,7 +386,7 @@ async def main_async(args) -> int:
         print(f"# vs_haproxy  {date.today()}  {platform.node()}  {platform.processor() or platform.machine()}"
               f"  kills={args.kills} interval={args.interval}s concurrency={args.concurrency}  {version}"
               f"  router: {where}, loops {[evloop.name(k) for k in loops]} workers {args.router_workers}"
-              f"  nice-replacement={args.nice_replacement}"
+              f"  nice-replacement={args.nice_replacement} engine-threads={args.engine_threads or 'default'}"
               f"  load average {os.getloadavg()[0]:.2f}")
         ours = {}
         for loop in loops:
@@ -416,6 +416,8 @@ def main() -> int:
                    help="start each replacement engine (both phases) N nice levels below the bench until it "
                         "is ready, as the supervisor starts a standby (default: its supervisor.standby_nice, "
                         "%(default)s; 0: as is)")
+    p.add_argument("--engine-threads", type=int, default=0, metavar="N",
+                   help="each engine's --cpu-threads (both phases; 0: torch's default, one per core)")
     p.add_argument("--in-process", action="store_true", help="run the router on the bench's own loop")
     p.add_argument("--router-workers", type=int, action="append", metavar="N",
                    help="N router processes on the one port (failover router --workers; docs/router.md); "
@@ -423,6 +425,7 @@ def main() -> int:
     p.add_argument("--profile", type=Path, help="py-spy the router process; raw stacks into DIR")
     args = p.parse_args()
     args.router_workers = args.router_workers or [1]
+    EngineProc.cpu_threads = args.engine_threads
     if args.in_process and args.router_workers != [1]:
         p.error("--router-workers runs worker processes: drop --in-process")
     if args.in_process and args.profile:

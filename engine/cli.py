@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA graphs: a step of at most this many rows (prompt tokens being prefilled plus "
                         "decoding sequences) runs as one graph replay, so short prompts and migrated streams "
                         "are prefilled without Python's per-kernel launch cost; 0: prefill eagerly")
+    p.add_argument("--cpu-threads", type=int, default=0,
+                   help="torch intra-op threads (0: torch's default, one per core); engines computing at once "
+                        "on one node should not ask for more than its cores together")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="CUDA: decode eagerly, capture no graphs (they are captured after /ready otherwise)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + completion tokens")
@@ -114,7 +117,7 @@ def make_config(args: argparse.Namespace) -> EngineConfig:
         drain_timeout=args.drain_timeout, max_body_bytes=args.max_body_bytes,
         admin_token_file=args.admin_token_file, warmup_batch=args.warmup_batch,
         cudnn_attention=args.cudnn_attention, cuda_graphs=args.cuda_graphs,
-        prefill_chunk=args.prefill_chunk, graph_tokens=args.graph_tokens,
+        prefill_chunk=args.prefill_chunk, graph_tokens=args.graph_tokens, cpu_threads=args.cpu_threads,
     )
 
 
@@ -154,6 +157,10 @@ def main(argv: list[str]) -> int:
         return 2
     process = "engine" if cfg.tp_rank == 0 else f"engine-rank{cfg.tp_rank}"
     configure_logging(args.log_level, process=process)
+    if cfg.cpu_threads:  # before any op: the pool is sized at the first parallel region
+        import torch
+
+        torch.set_num_threads(cfg.cpu_threads)
     if cfg.tp_rank > 0:
         return run_worker(cfg, model_cfg)
     try:  # ranks > 0 get the same options plus their rank

@@ -158,6 +158,11 @@ class EngineConfig:
     # CUDA graphs: rows of the largest step graph; a step whose prefill tokens and decode rows fit
     # runs as one graph replay, each prompt token a row (engine.cuda_graphs); 0: prefill eagerly
     graph_tokens: int = 256
+    # torch's intra-op threads in this process (0: torch's default, one per core). Engines that
+    # compute at once on one CPU node must not ask for more than its cores together: a step's
+    # threads meet at a barrier after every op, and one thread descheduled for another engine's
+    # holds back the rest (measured: docs/operations.md, "CPU threads")
+    cpu_threads: int = 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -175,6 +180,7 @@ class EngineConfig:
             (self.max_batch >= 1, "--max-batch must be at least 1"),
             (self.prefill_chunk >= 0, "--prefill-chunk must not be negative (0: whole prompts)"),
             (self.graph_tokens >= 0, "--graph-tokens must not be negative (0: prefill eagerly)"),
+            (self.cpu_threads >= 0, "--cpu-threads must not be negative (0: torch's default)"),
             (1 <= self.warmup_batch <= self.max_batch,
              "--warmup-batch must be in 1..--max-batch"),
             (self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be at least 2"),

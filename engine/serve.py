@@ -16,6 +16,7 @@ import sys
 import time
 
 import structlog
+import torch
 from aiohttp import web
 
 from engine import prepared
@@ -134,6 +135,6 @@ async def _await_ready(cfg, engine: AsyncEngine, server: EngineServer, keep: dic
     server.set_ready(ctx, {
         "model": cfg.model_name, "weights_source": weights.source, "weights_seconds": round(weights.seconds, 4),
         "startup_seconds": round(time.monotonic() - started, 3), "max_model_len": built.max_len, "tp": cfg.tp,
-        "device": cfg.device, "dtype": cfg.dtype, "pid": os.getpid(),
+        "device": cfg.device, "dtype": cfg.dtype, "pid": os.getpid(), "cpu_threads": torch.get_num_threads(),
     })
     server.metrics.weights_seconds.labels(cfg.model_name, weights.source).set(weights.seconds)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -132,3 +133,34 @@ def test_router_body_limits_reach_the_router_and_bad_ones_are_named(tiny_model, 
     assert "router.max_buffered: '1MiB' is less than router.max_body ('2MiB')" in error_of(path)
     path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir, router={"max_body": "lots"})
     assert "router.max_body: 'lots' is not a size" in error_of(path)
+
+
+def test_cpu_threads_share_the_cores_among_engines_that_compute_at_once(tiny_model, run_dir):
+    from failover.config.argv import engine_argv
+    from failover.config.schema import parse_config
+
+    cores = len(os.sched_getaffinity(0))
+
+    def threads(services: list[dict], device: str = "cpu", tp: int = 1) -> list[str | None]:
+        config = parse_config({"run_dir": str(run_dir / "run"),
+                               "model": {"path": str(tiny_model), "device": device, "tp": tp},
+                               "service": services}, source="test")
+        out = []
+        for svc in config.service:
+            argv = engine_argv(config, svc, 9000, 1 << 20)
+            out.append(argv[argv.index("--cpu-threads") + 1] if "--cpu-threads" in argv else None)
+        return out
+
+    chat = {"name": "chat", "port": 9100}
+    batch = {"name": "offline", "kind": "batch", "standbys": 0, "port": 9200,
+             "batch": {"input": str(run_dir / "in.jsonl"), "output": str(run_dir / "out.jsonl")}}
+    assert threads([chat]) == [str(cores)]  # alone (its standby waits idle): every core
+    assert threads([chat, batch]) == [str(max(1, cores // 2))] * 2  # co-serving: half each
+    assert threads([chat], tp=2) == [str(max(1, cores // 2))]  # per rank
+    assert threads([chat | {"cpu_threads": 3}, batch]) == ["3", str(max(1, cores // 2))]  # as set
+    assert threads([chat], device="cuda") == [None]  # torch's default
+    path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir,
+                        service_extra={"engine": "vllm", "cpu_threads": 2})
+    assert "service[0].cpu_threads: sets the bundled engine's torch threads; this service runs vLLM" in error_of(path)
+    path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir, service_extra={"cpu_threads": 0})
+    assert "service[0].cpu_threads" in error_of(path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from failover.config.schema import Config, ServiceConfig
@@ -31,6 +32,9 @@ def engine_argv(config: Config, svc: ServiceConfig, port: int, kv_bytes: int,
     cap = ["--max-model-len", str(svc.max_model_len)] if svc.max_model_len else []
     if kv_floor is not None:
         cap += ["--kv-min-memory", str(kv_floor)]
+    threads = cpu_threads(config, svc)
+    if threads:
+        cap += ["--cpu-threads", str(threads)]
     return [*cap, "--model", m.path, "--weights", "cache", "--socket", str(config.daemon_socket),
             "--host", config.engine_host, "--port", str(port), "--tp", str(m.tp), "--device", m.device,
             "--dtype", m.dtype, "--transform", m.transform, "--kv-memory", str(kv_bytes),
@@ -39,6 +43,22 @@ def engine_argv(config: Config, svc: ServiceConfig, port: int, kv_bytes: int,
             "--drain-timeout", "0" if svc.kind == "batch" else str(config.supervisor.drain_timeout),
             "--admin-token-file", str(config.engine_token_path),
             "--log-level", config.supervisor.log_level]
+
+
+def cpu_threads(config: Config, svc: ServiceConfig) -> int:
+    """Torch threads for each process of ``svc``'s engines (0: torch's default, one per core).
+
+    ``service.cpu_threads`` when set. Else, on CPU, the cores this process may run on, shared out
+    among the engine processes that compute at once: each service's primary or batch engine, one per
+    rank (standbys wait idle). Every engine at torch's default would ask for all the cores: then a
+    step's threads wait at each op's barrier for one another's turn (docs/operations.md, "CPU
+    threads"). On CUDA torch's default stays: the host threads there mostly wait for the GPU."""
+    if svc.cpu_threads is not None:
+        return svc.cpu_threads
+    if config.model.device != "cpu":
+        return 0
+    busy = config.model.tp * len(config.service)
+    return max(1, len(os.sched_getaffinity(0)) // busy)
 
 
 def external_argv(config: Config, svc: ServiceConfig, name: str, port: int) -> list[str]:

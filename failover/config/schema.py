@@ -144,6 +144,9 @@ class ServiceConfig(_Base):
     port: Port | None = None  # first port; instances take port, port+1, ... (1 + standbys of them)
     port_range: tuple[Port, Port] | None = None  # inclusive [first, last]
     max_batch: PositiveInt = 16
+    # the bundled engine's torch threads per process (per rank). Default on CPU: the node's cores
+    # shared out among the engines that compute at once (failover.config.argv.cpu_threads)
+    cpu_threads: PositiveInt | None = None
     # the engine kind: "failover" (the bundled engine, forked from the zygote) or "vllm" (vLLM's
     # OpenAI server, one process tree per instance; docs/vllm.md)
     engine: Literal["failover", "vllm"] = "failover"
@@ -347,6 +350,10 @@ def _check_services(config: Config) -> list[str]:
             problems += _check_batch(f"{key}.batch", svc, config.service)
         if svc.command is not None:
             problems += check_template(key, svc.command)
+        if svc.cpu_threads is not None and (svc.engine != "failover" or svc.command is not None):
+            problems.append(f"{key}.cpu_threads: sets the bundled engine's torch threads; this service runs "
+                            f"{'its own command' if svc.command is not None else 'vLLM'} (give it its own "
+                            "settings through engine_args / engine_env, or its command)")
         problems += check_engine(key, svc)
         if (svc.port is None) == (svc.port_range is None):
             problems.append(f"{key}: set exactly one of port (first port) or port_range ([first, last])")

@@ -134,6 +134,7 @@ class Slot:
                 "launches": self.launches, "hold": self.hold,
                 "uptime_s": round(now - self.launched_at, 1) if self.launched_at and self.pid else None,
                 "weights_source": self.ready_info.get("weights_source"),
+                "cpu_threads": self.ready_info.get("cpu_threads"),  # the bundled engine's torch threads
                 "weights": self.ready_info.get("weights"),  # vLLM: its model loader's report (failover_vllm)
                 "kv_bytes": self.kv_bytes, "kv_target_bytes": self.kv_target,
                 "last_relaunch_ms": None if self.last_relaunch_s is None else round(self.last_relaunch_s * 1e3, 1)}
