@@ -129,6 +129,9 @@ class Load:
             await asyncio.gather(*(worker(i) for i in range(concurrency)))
 
 
+CALM_S = 2.0  # after a fault: the failover, the migrated streams' re-prefill, the replacement's start
+
+
 def summary(outcomes: list[Outcome], faults: list[float], elapsed: float) -> dict:
     """Whole-run counts and latency, and the client-seen figures around each fault (client_figures)."""
     failed = [o for o in outcomes if not o.ok]
@@ -136,11 +139,14 @@ def summary(outcomes: list[Outcome], faults: list[float], elapsed: float) -> dic
     for o in failed:
         causes[o.error] = causes.get(o.error, 0) + 1
     lat = [o.end - o.start for o in outcomes if o.ok]
+    # the same, less every request that overlaps [fault, fault + CALM_S]: how much of the tail the faults are
+    calm = [o.end - o.start for o in outcomes if o.ok and not any(o.end > f and o.start < f + CALM_S for f in faults)]
     figures = summarize(fault_figures(outcomes, faults))
     return requests_summary(outcomes) | {
         "failed_by_cause": causes,
         "rps": round(len(outcomes) / elapsed, 1) if elapsed else 0.0,
         "latency_p50_ms": round(percentile(lat, 50) * 1e3, 1), "latency_p99_ms": round(percentile(lat, 99) * 1e3, 1),
+        "latency_p99_calm_ms": round(percentile(calm, 99) * 1e3, 1) if calm else None,
         "blackout_p50_ms": figures["first_token_ms"]["p50"], "blackout_p99_ms": figures["first_token_ms"]["p99"],
         "client": figures, "mean_latency_ms": round(statistics.fmean(lat) * 1e3, 1) if lat else None,
     }

@@ -330,7 +330,7 @@ def _verdict(key: str, a, b) -> str:
 
 def print_report(ours: dict[str, dict], theirs: dict) -> None:
     keys = ["requests", "failed", "broken_streams", "blackout_p50_ms", "blackout_p99_ms", "longest_stream_stall_ms",
-            "latency_p50_ms", "latency_p99_ms", "added_p50_ms", "added_p99_ms", "rps", "models_rps",
+            "latency_p50_ms", "latency_p99_ms", "latency_p99_calm_ms", "added_p50_ms", "added_p99_ms", "rps", "models_rps",
             "models_direct_rps", "proxy_cpu_ms_per_req", "resume_prefill_ms"]
     names = [f"router/{loop}" for loop in ours]
     print(f"{'metric':<26}" + "".join(f"{n:>16}" for n in names) + f"{'haproxy':>10}"
@@ -343,7 +343,7 @@ def print_report(ours: dict[str, dict], theirs: dict) -> None:
             ratio = f"{a / b:.2f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else "-"
             row += f"{ratio:>16}{_verdict(k, a, b):>18}"
         print(row)
-    print("ratio = router / haproxy; models_rps at 16 clients (router's models_direct_rps: its primary, direct)")
+    print("ratio = router / haproxy; latency_p99_calm_ms: less the requests within 2 s after a kill; models_rps at 16 clients (router's models_direct_rps: its primary, direct)")
     for loop, r in ours.items():
         if "haproxy_added_p50_ms" in r:
             print(f"added latency ({loop}), router and HAProxy interleaved over the router phase's engines, one sitting: "
