@@ -13,16 +13,20 @@ TEMPLATE_FIELDS = ("model", "host", "port", "name", "service", "socket", "tp", "
 
 
 def check_engine(key: str, svc) -> list[str]:
+    problems = []
+    if svc.cpu_threads is not None and (svc.engine != "failover" or svc.command is not None):
+        problems.append(f"{key}.cpu_threads: sets the bundled engine's torch threads; this service runs "
+                        f"{'its own command' if svc.command is not None else 'vLLM'} (give it its own "
+                        "settings through engine_args / engine_env, or its command)")
     if svc.engine == "failover":
         unused = [k for k in ("engine_args", "engine_python", "engine_env") if getattr(svc, k)]
-        problems = [f"{key}.{k}: only for engine = \"vllm\"; remove it (or set engine)" for k in unused]
+        problems += [f"{key}.{k}: only for engine = \"vllm\"; remove it (or set engine)" for k in unused]
         if svc.weights != "cache":
             problems.append(f"{key}.weights: the bundled engine always maps the cache daemon's weights; "
                             "weights = \"disk\" is only for engine = \"vllm\"")
         if svc.cpu_gemm != "shared":
             problems.append(f"{key}.cpu_gemm: only for engine = \"vllm\" with weights = \"cache\"; remove it")
         return problems
-    problems = []
     if svc.cpu_gemm != "shared" and svc.weights != "cache":
         problems.append(f"{key}.cpu_gemm: {svc.cpu_gemm!r} chooses how vLLM runs on the cache daemon's weights; "
                         "with weights = \"disk\" vLLM packs its own copy anyway: remove it")

@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from failover.config.batch_checks import check_batch
 from failover.config.engine_checks import check_engine, check_template
 from failover.config.errors import explain, unknown_key
 from failover_common.sizes import parse_size
@@ -347,13 +348,9 @@ def _check_services(config: Config) -> list[str]:
         if svc.kind == "batch" and svc.batch is None:
             problems.append(f"{key}.batch: a batch service needs [service.batch] with input and output")
         if svc.batch is not None:
-            problems += _check_batch(f"{key}.batch", svc, config.service)
+            problems += check_batch(f"{key}.batch", svc, config.service)
         if svc.command is not None:
             problems += check_template(key, svc.command)
-        if svc.cpu_threads is not None and (svc.engine != "failover" or svc.command is not None):
-            problems.append(f"{key}.cpu_threads: sets the bundled engine's torch threads; this service runs "
-                            f"{'its own command' if svc.command is not None else 'vLLM'} (give it its own "
-                            "settings through engine_args / engine_env, or its command)")
         problems += check_engine(key, svc)
         if (svc.port is None) == (svc.port_range is None):
             problems.append(f"{key}: set exactly one of port (first port) or port_range ([first, last])")
@@ -373,37 +370,3 @@ def _check_services(config: Config) -> list[str]:
                 problems.append(f"{port_key}: port {port} is also used by {owner[port]}; give each service its own ports")
             owner[port] = f"service[{i}] ({svc.name})"
     return problems
-
-
-def _check_batch(key: str, svc: ServiceConfig, services: list[ServiceConfig]) -> list[str]:
-    b = svc.batch
-    assert b is not None
-    problems = []
-    if svc.kind != "batch":
-        problems.append(f"{key}: only a service with kind = \"batch\" takes [service.batch]")
-    if b.queue_low >= b.queue_high:
-        problems.append(f"{key}.queue_low: {b.queue_low} must be below queue_high ({b.queue_high})")
-    if b.ttft_low >= b.ttft_high:
-        problems.append(f"{key}.ttft_low: {b.ttft_low} must be below ttft_high ({b.ttft_high})")
-    online = {s.name for s in services if s.kind == "online"}
-    for name in b.watch or []:
-        if name not in online:
-            problems.append(f"{key}.watch: {name!r} is not an online service; online: {sorted(online)}")
-    try:
-        b.memory_margin_bytes
-    except ValueError as e:
-        problems.append(f"{key}.memory_margin: {e}")
-    if not 0 <= b.output_mode <= 0o777 or b.output_mode & 0o600 != 0o600 or b.output_mode & 0o022:
-        problems.append(f"{key}.output_mode: {b.output_mode:#o} must let us read and write (0o600) and nobody "
-                        "else write; e.g. 0o600 (the default) or 0o640 (TOML octal: 0o640)")
-    if svc.command is not None:
-        problems.append(f"{key}: a batch service runs a managed engine (ours or engine = \"vllm\"); remove command")
-    return problems
-
-
-def watched_services(svc: ServiceConfig, services: list[ServiceConfig]) -> list[str]:
-    """The online services whose load preempts batch service ``svc``."""
-    assert svc.batch is not None
-    if svc.batch.watch is not None:
-        return list(svc.batch.watch)
-    return [s.name for s in services if s.kind == "online" and s.priority > svc.priority]

@@ -28,7 +28,8 @@ from typing import Callable, Coroutine
 
 import structlog
 
-from failover.config.schema import Config, ServiceConfig, watched_services
+from failover.config.batch_checks import watched_services
+from failover.config.schema import Config, ServiceConfig
 from failover.coserve.batch_io import BatchInputError, BatchOutputError, CorruptOutput, ResultLog, read_items
 from failover.coserve.eviction import evict_engine
 from failover.coserve.job import DONE, FAILED, PREEMPTED, RUNNING, WAITING, BatchJob, ResumeRefused
