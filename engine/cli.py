@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import structlog
+import torch  # loaded already by engine.serve below; named here for --cpu-threads
 
 from cache_daemon.layout import resolve_dtype as resolve_checkpoint_dtype, undivided_by_tp
 from cache_daemon.settings import SOCKET_NAME, default_run_dir
@@ -158,8 +159,6 @@ def main(argv: list[str]) -> int:
     process = "engine" if cfg.tp_rank == 0 else f"engine-rank{cfg.tp_rank}"
     configure_logging(args.log_level, process=process)
     if cfg.cpu_threads:  # before any op: the pool is sized at the first parallel region
-        import torch
-
         torch.set_num_threads(cfg.cpu_threads)
     if cfg.tp_rank > 0:
         return run_worker(cfg, model_cfg)

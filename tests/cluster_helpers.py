@@ -17,6 +17,7 @@ from pathlib import Path
 from conftest import Procs
 from etcd_helpers import EtcdCluster, Front
 from failover_common.ports import free_port
+from failover_common.proc import stat_fields
 from supervisor_helpers import Workers, _table, _toml_value, http, wait_until
 
 KEY = "/failover/test/primary/chat"
@@ -28,8 +29,7 @@ def tree(pid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                ppid = int(stat_fields(f"/proc/{entry}/stat")[1])
             except (OSError, ValueError, IndexError):
                 continue
             children.setdefault(ppid, []).append(int(entry))

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from failover_common.proc import running
+from failover_common.proc import running, stat_fields
 
 
 def child_main(argv: list[str]) -> int:
@@ -86,8 +86,7 @@ async def _zygote_scenario() -> dict:
     quick = await zygote.fork("fo-quick", ["3", "0.2"], target="supervisor_helpers:child_main")
     deadline = time.monotonic() + 5.0  # the child names itself and is re-parented right after the fork
     while time.monotonic() < deadline:
-        with open(f"/proc/{quick.pid}/stat") as f:
-            out["quick_ppid"] = int(f.read().rsplit(")", 1)[1].split()[1])
+        out["quick_ppid"] = int(stat_fields(f"/proc/{quick.pid}/stat")[1])
         with open(f"/proc/{quick.pid}/comm") as f:
             out["quick_comm"] = f.read().strip()
         if out["quick_comm"] == "fo-quick" and out["quick_ppid"] == os.getpid():

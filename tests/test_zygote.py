@@ -8,7 +8,7 @@ import signal
 import time
 from pathlib import Path
 
-from failover_common.proc import pid_alive
+from failover_common.proc import pid_alive, stat_fields
 
 TESTS = Path(__file__).resolve().parent
 
@@ -24,8 +24,7 @@ def wait_gone(pid: int, timeout: float = 10.0) -> bool:
 
 def _zombie(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        return stat_fields(f"/proc/{pid}/stat")[0] == b"Z"
     except FileNotFoundError:
         return True
 
