@@ -68,7 +68,8 @@ async def start_router(model: Path, logs: Path, port: int, token: Path, nice: in
     return router, engines
 
 
-async def start_pool(model: Path, logs: Path, port: int, token: Path, nice: int, workers: int, loop: str):
+async def start_pool(model: Path, logs: Path, port: int, token: Path, nice: int, workers: int, loop: str,
+                     log_level: str = "warning"):
     """``workers`` router processes on ``port`` (failover.procs.router_pool) and the same launcher's
     work: when the workers' shared primary key moves, the old primary's engine is killed and
     forgotten and a fresh standby is started and registered. The in-process router asks for the
@@ -79,7 +80,7 @@ async def start_pool(model: Path, logs: Path, port: int, token: Path, nice: int,
     first = [EngineProc(model, log_dir=logs) for _ in range(2)]
     await asyncio.gather(*(e.wait_ready() for e in first))
     pool = RouterPool(["--port", str(port), "--admin-token-file", str(token), "--loop", loop,
-                       "--log-level", "warning"], workers)
+                       "--log-level", log_level], workers)
     for e in first:
         engines[f"e{e.port}"] = e
         pool.put_instance("default", f"e{e.port}", e.url, pid=e.pid)
@@ -124,12 +125,13 @@ async def router_child(args) -> int:
     from failover_common.proc import die_with_parent
 
     die_with_parent(signal.SIGTERM)
-    configure_logging("warning", process="vs-haproxy-router")
+    configure_logging(args.log_level, process="vs-haproxy-router")
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     if args.workers > 1:
         pool, engines, tasks = await start_pool(Path(args.model), Path(args.logs), args.port, Path(args.token),
-                                                args.nice_replacement, args.workers, args.loop)
+                                                args.nice_replacement, args.workers, args.loop,
+                                                args.log_level)
         print(f"ready {os.getpid()} {' '.join(map(str, pool.pids()))}", flush=True)
         await stop.wait()
         for t in list(tasks):
@@ -152,6 +154,7 @@ class RouterSide:
     def __init__(self, model: Path, logs: Path, loop: str, args, workers: int = 1) -> None:
         self.model, self.logs, self.loop, self.workers = model, logs, loop, workers
         self.in_process, self.profile, self.nice = args.in_process, args.profile, args.nice_replacement
+        self.log_level = args.router_log_level
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = logs / f"admin-token-{self.port}"
@@ -167,7 +170,8 @@ class RouterSide:
             return self
         cmd = [sys.executable, str(Path(__file__).resolve()), "--model", str(self.model),
                "--logs", str(self.logs), "--port", str(self.port), "--token", str(self.token), "--loop", self.loop,
-               "--nice-replacement", str(self.nice), "--workers", str(self.workers)]
+               "--nice-replacement", str(self.nice), "--workers", str(self.workers),
+               "--log-level", self.log_level, "--engine-threads", str(EngineProc.cpu_threads)]
         if self.profile is not None:
             self.profile.mkdir(parents=True, exist_ok=True)
             out = self.profile / f"router-{self.loop}.txt"
@@ -230,8 +234,11 @@ def main() -> int:
     p.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"))
     p.add_argument("--nice-replacement", type=int, default=0)
     p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning"))
+    p.add_argument("--engine-threads", type=int, default=0, help="each engine's --cpu-threads (0: torch's)")
     from router import evloop
     args = p.parse_args()
+    EngineProc.cpu_threads = args.engine_threads  # this process starts the router phase's engines
     return evloop.run(router_child(args), args.loop)
 
 

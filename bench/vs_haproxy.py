@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import date
+from datetime import date, datetime, timezone
 from pathlib import Path
 
 import aiohttp
@@ -147,6 +147,12 @@ async def resume_prefill(direct: str, n: int, resumed: int = 15) -> float:
     return round((percentile(lat[True], 50) - percentile(lat[False], 50)) * 1e3, 2)
 
 
+async def engine_threads(s: aiohttp.ClientSession, url: str) -> int | None:
+    """The torch threads an engine reports in /ready: what each phase's engines really run with."""
+    async with s.get(url + "/ready") as r:
+        return (await r.json()).get("cpu_threads")
+
+
 def cpu_s(pid: int | list[int]) -> float:
     """User + system CPU seconds of process ``pid`` so far (its own, not its children's); of a
     list of pids (the router's workers and their parent), the sum."""
@@ -173,8 +179,9 @@ def where_stalled(outcomes, faults: list[float]) -> dict:
     if not before:
         return {"longest_stall_ms": round(gap * 1e3, 1), "after_fault_ms": None, "in_flight_at_fault": False}
     f = before[-1]
+    at_utc = datetime.fromtimestamp(time.time() - (time.monotonic() - at), timezone.utc)
     return {"longest_stall_ms": round(gap * 1e3, 1), "after_fault_ms": round((at - f) * 1e3, 1),
-            "in_flight_at_fault": o.start <= f < o.end}
+            "in_flight_at_fault": o.start <= f < o.end, "began_utc": at_utc.strftime("%H:%M:%S.%f")[:-3]}
 
 
 async def drive(load: Load, kills: int, interval: float, concurrency: int, kill_primary, pid: int | None) -> dict:
@@ -199,6 +206,7 @@ async def phase_router(model: Path, args, logs: Path, loop: str, workers: int = 
         insts = (await side.status(s))["instances"]
         primary = next(i for i in insts if i["role"] == "primary")
         standby = next(i for i in insts if i["role"] == "standby")
+        threads = {"engine_cpu_threads": await engine_threads(s, primary["url"])}
         ov = await overhead_side_by_side(primary["url"], standby["url"], side.url, logs, args.overhead_n)
         ov["resume_prefill_ms"] = await resume_prefill(primary["url"], max(10, args.overhead_n // 4))
         models = {"models_direct_rps": round(await closed_loop(primary["url"] + "/v1/models", 16, args.models_s)),
@@ -231,7 +239,7 @@ async def phase_router(model: Path, args, logs: Path, loop: str, workers: int = 
         result = await drive(load, args.kills, args.interval, args.concurrency, kill_primary, pid)
         await asyncio.sleep(0.5)
         records.append((await side.status(s, full=True))["last_failover"].get("default"))
-    return result | ov | models | {"records": [r for r in records if r], "faults": faults}
+    return result | ov | models | threads | {"records": [r for r in records if r], "faults": faults}
 
 
 async def cpu_phase(model: Path, args, logs: Path, loop: str) -> dict:
@@ -283,6 +291,8 @@ async def phase_haproxy(model: Path, args, logs: Path) -> dict:
     hap, url = start_haproxy(logs, p1, p2)
     try:
         await asyncio.sleep(1.0)
+        async with aiohttp.ClientSession() as s:
+            threads = {"engine_cpu_threads": await engine_threads(s, servers["primary"].url)}
         ov = (await overhead(servers["primary"].url, {"haproxy": url}, args.overhead_n))["haproxy"]
         models = {"models_direct_rps": round(await closed_loop(servers["primary"].url + "/v1/models", 16, args.models_s)),
                   "models_rps": round(await closed_loop(url + "/v1/models", 16, args.models_s))}
@@ -306,7 +316,7 @@ async def phase_haproxy(model: Path, args, logs: Path) -> dict:
         stop_haproxy(hap)
         for e in servers.values():
             e.kill()
-    return result | ov | models
+    return result | ov | models | threads
 
 
 # (metric, target for router / haproxy, or for the router's own figure with "abs")
@@ -331,7 +341,7 @@ def _verdict(key: str, a, b) -> str:
 def print_report(ours: dict[str, dict], theirs: dict) -> None:
     keys = ["requests", "failed", "broken_streams", "blackout_p50_ms", "blackout_p99_ms", "longest_stream_stall_ms",
             "latency_p50_ms", "latency_p99_ms", "latency_p99_calm_ms", "added_p50_ms", "added_p99_ms", "rps", "models_rps",
-            "models_direct_rps", "proxy_cpu_ms_per_req", "resume_prefill_ms"]
+            "models_direct_rps", "proxy_cpu_ms_per_req", "resume_prefill_ms", "engine_cpu_threads"]
     names = [f"router/{loop}" for loop in ours]
     print(f"{'metric':<26}" + "".join(f"{n:>16}" for n in names) + f"{'haproxy':>10}"
           + "".join(f"{'ratio ' + n.split('/')[1]:>16}{'target':>18}" for n in names))
@@ -374,6 +384,9 @@ async def main_async(args) -> int:
     loops = args.loop or ["auto"]
     with tempfile.TemporaryDirectory(prefix="vs-haproxy-") as tmp:
         tmp = Path(tmp)
+        if args.keep_logs is not None:  # the engines', HAProxy's and the token's files stay there
+            tmp = args.keep_logs
+            tmp.mkdir(parents=True, exist_ok=True)
         model = write_checkpoint(tmp / "model", TinySpec(layers=2, hidden=64))
         if args.cpu:
             print(f"# router CPU, no faults, {args.cpu:.0f} s per kind, concurrency {args.concurrency}, "
@@ -422,6 +435,10 @@ def main() -> int:
     p.add_argument("--router-workers", type=int, action="append", metavar="N",
                    help="N router processes on the one port (failover router --workers; docs/router.md); "
                         "repeat for one router phase each, per --loop (default: 1)")
+    p.add_argument("--router-log-level", default="warning", choices=("debug", "info", "warning"),
+                   help="the router process's log level (its log goes to this bench's stderr)")
+    p.add_argument("--keep-logs", type=Path, metavar="DIR",
+                   help="write the engines' and HAProxy's logs (and the model) into DIR and keep them")
     p.add_argument("--profile", type=Path, help="py-spy the router process; raw stacks into DIR")
     args = p.parse_args()
     args.router_workers = args.router_workers or [1]
