@@ -108,7 +108,8 @@ def node_config(a, run: Path, model: Path, batch_in: Path | None):
     rport, eport = free_port_pair(), free_port_pair()
     while eport in (rport, rport + 1) or eport + 1 == rport:
         eport = free_port_pair()
-    services = [{"name": "chat", "standbys": 1, "kv_memory": a.kv_memory, "port": eport, "priority": 100}]
+    services = [{"name": "chat", "standbys": 1, "kv_memory": a.kv_memory, "port": eport, "priority": 100,
+                 **({"cpu_threads": a.cpu_threads} if a.cpu_threads else {})}]
     if batch_in is not None:
         services.append({"name": "offline", "kind": "batch", "standbys": 0, "kv_memory": a.batch_kv_memory,
                          "priority": 10, "port": free_port_pair(),
@@ -259,6 +260,8 @@ def main() -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke test on the tiny model")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per instance (one GPU each; "
                    "on CPU: gloo ranks, a plumbing check)")
+    p.add_argument("--cpu-threads", type=int, default=0, metavar="N",
+                   help="the chat service's service.cpu_threads (0: the supervisor's default)")
     p.add_argument("--faults", type=int, default=1, help="kill -9s of the primary under load (20: p50/p99/max)")
     p.add_argument("--settle", type=float, default=None,
                    help="seconds of load between a round's ready standby and the next kill (2 on CUDA, 1 on CPU)")

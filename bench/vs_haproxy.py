@@ -48,6 +48,7 @@ from engines import EngineProc, free_port  # noqa: E402
 from client_figures import line as client_line  # noqa: E402
 from loadgen import Load, closed_loop, percentile, summary  # noqa: E402
 from router_side import RouterSide, replacement  # noqa: E402
+from failover.config.argv import share  # noqa: E402
 from failover.config.schema import SupervisorConfig  # noqa: E402
 
 HAPROXY_CFG = """
@@ -399,7 +400,7 @@ async def main_async(args) -> int:
         print(f"# vs_haproxy  {date.today()}  {platform.node()}  {platform.processor() or platform.machine()}"
               f"  kills={args.kills} interval={args.interval}s concurrency={args.concurrency}  {version}"
               f"  router: {where}, loops {[evloop.name(k) for k in loops]} workers {args.router_workers}"
-              f"  nice-replacement={args.nice_replacement} engine-threads={args.engine_threads or 'default'}"
+              f"  nice-replacement={args.nice_replacement} engine-threads={args.engine_threads or 'torch default'}"
               f"  load average {os.getloadavg()[0]:.2f}")
         ours = {}
         for loop in loops:
@@ -429,8 +430,9 @@ def main() -> int:
                    help="start each replacement engine (both phases) N nice levels below the bench until it "
                         "is ready, as the supervisor starts a standby (default: its supervisor.standby_nice, "
                         "%(default)s; 0: as is)")
-    p.add_argument("--engine-threads", type=int, default=0, metavar="N",
-                   help="each engine's --cpu-threads (both phases; 0: torch's default, one per core)")
+    p.add_argument("--engine-threads", type=int, default=share(len(os.sched_getaffinity(0)), 1), metavar="N",
+                   help="each engine's --cpu-threads, both phases (default: what the supervisor gives one "
+                        "service's engine on this machine, %(default)s; 0: torch's default, one per core)")
     p.add_argument("--in-process", action="store_true", help="run the router on the bench's own loop")
     p.add_argument("--router-workers", type=int, action="append", metavar="N",
                    help="N router processes on the one port (failover router --workers; docs/router.md); "

@@ -136,9 +136,12 @@ def test_router_body_limits_reach_the_router_and_bad_ones_are_named(tiny_model, 
 
 
 def test_cpu_threads_share_the_cores_among_engines_that_compute_at_once(tiny_model, run_dir):
-    from failover.config.argv import engine_argv
+    from failover.config.argv import engine_argv, share
     from failover.config.schema import parse_config
 
+    # one core kept for the router, the supervisor and a starting standby; the rest shared out
+    assert [share(cores, busy) for cores, busy in ((1, 1), (2, 1), (16, 1), (2, 2), (16, 2), (8, 4), (64, 3))] \
+        == [1, 1, 15, 1, 7, 1, 21]
     cores = len(os.sched_getaffinity(0))
 
     def threads(services: list[dict], device: str = "cpu", tp: int = 1) -> list[str | None]:
@@ -154,10 +157,10 @@ def test_cpu_threads_share_the_cores_among_engines_that_compute_at_once(tiny_mod
     chat = {"name": "chat", "port": 9100}
     batch = {"name": "offline", "kind": "batch", "standbys": 0, "port": 9200,
              "batch": {"input": str(run_dir / "in.jsonl"), "output": str(run_dir / "out.jsonl")}}
-    assert threads([chat]) == [str(cores)]  # alone (its standby waits idle): every core
-    assert threads([chat, batch]) == [str(max(1, cores // 2))] * 2  # co-serving: half each
-    assert threads([chat], tp=2) == [str(max(1, cores // 2))]  # per rank
-    assert threads([chat | {"cpu_threads": 3}, batch]) == ["3", str(max(1, cores // 2))]  # as set
+    assert threads([chat]) == [str(share(cores, 1))]  # alone (its standby waits idle)
+    assert threads([chat, batch]) == [str(share(cores, 2))] * 2  # co-serving: both compute
+    assert threads([chat], tp=2) == [str(share(cores, 2))]  # per rank
+    assert threads([chat | {"cpu_threads": 3}, batch]) == ["3", str(share(cores, 2))]  # as set
     assert threads([chat], device="cuda") == [None]  # torch's default
     path = write_config(run_dir / "c.toml", model=tiny_model, run_dir=run_dir,
                         service_extra={"engine": "vllm", "cpu_threads": 2})

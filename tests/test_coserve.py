@@ -15,6 +15,7 @@ import sys
 import time
 from collections import Counter
 
+from failover.config.argv import share
 from failover.procs.priority import nice_of
 from coserve_helpers import Burst, CoNode, batch_input, essence, node_config, read_output
 from supervisor_helpers import REPO, Load, wait_until
@@ -146,9 +147,9 @@ def test_a_relaunch_that_needs_the_memory_evicts_the_batch_first(procs, tiny_mod
         assert set(nice_of(node.slot("offline-0")["pid"])) == {min(19, base + 10)}
         for inst in node.serving_pair():
             assert set(nice_of(inst["pid"])) == {base}, inst
-        # the node's cores shared out between the two engines that compute at once, as each reports
-        half = max(1, len(os.sched_getaffinity(0)) // 2)
-        assert [node.slot(s)["cpu_threads"] for s in ("chat-0", "chat-1", "offline-0")] == [half] * 3
+        # the node's cores (less one) shared out between the two engines that compute at once, as each reports
+        each = share(len(os.sched_getaffinity(0)), 2)
+        assert [node.slot(s)["cpu_threads"] for s in ("chat-0", "chat-1", "offline-0")] == [each] * 3
         os.kill(standby["pid"], signal.SIGKILL)
         wait_until(lambda: node.batch("offline")["preemptions"] == 1, 30, "the memory eviction")
         assert node.batch("offline")["last_preempt"]["reason"] == "memory"

@@ -48,7 +48,7 @@ def engine_argv(config: Config, svc: ServiceConfig, port: int, kv_bytes: int,
 def cpu_threads(config: Config, svc: ServiceConfig) -> int:
     """Torch threads for each process of ``svc``'s engines (0: torch's default, one per core).
 
-    ``service.cpu_threads`` when set. Else, on CPU, the cores this process may run on, shared out
+    ``service.cpu_threads`` when set. Else, on CPU, ``share`` of the cores this process may run on
     among the engine processes that compute at once: each service's primary or batch engine, one per
     rank (standbys wait idle). Every engine at torch's default would ask for all the cores: then a
     step's threads wait at each op's barrier for one another's turn (docs/operations.md, "CPU
@@ -57,8 +57,15 @@ def cpu_threads(config: Config, svc: ServiceConfig) -> int:
         return svc.cpu_threads
     if config.model.device != "cpu":
         return 0
-    busy = config.model.tp * len(config.service)
-    return max(1, len(os.sched_getaffinity(0)) // busy)
+    return share(len(os.sched_getaffinity(0)), config.model.tp * len(config.service))
+
+
+def share(cores: int, busy: int) -> int:
+    """Threads for each of ``busy`` computing engine processes on ``cores``: one core is kept for
+    the rest of the node (the router, the supervisor, a standby starting or warming up), the others
+    shared out, at least one each. An engine whose threads fill every core has a step's op wait at
+    its barrier whenever any other process runs (docs/operations.md, "CPU threads")."""
+    return max(1, (cores - 1) // busy)
 
 
 def external_argv(config: Config, svc: ServiceConfig, name: str, port: int) -> list[str]:
