@@ -337,3 +337,30 @@ def test_main_runs_in_a_forked_child_of_a_process_that_imported_engine(tiny_mode
     assert get(port, "/ready")[1]["kv_bytes"] == 1 << 20
     procs.stop_all()
     assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("usage", [False, True])
+def test_a_streams_end_goes_out_in_one_write(server, usage):
+    """The finishing event, the usage event, [DONE] and the chunked terminator leave in one write, so
+    a proxy (ours or HAProxy) reads a stream's end in one wake-up; the bytes are those of separate
+    writes, events in order."""
+    import socket
+
+    body = json.dumps({"model": MODEL, "prompt": "one two three", "max_tokens": 6, "temperature": 0,
+                       "stream": True, **({"stream_options": {"include_usage": True}} if usage else {})}).encode()
+    with socket.create_connection(("127.0.0.1", server), timeout=10) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        reads = []
+        while not b"".join(reads).endswith(b"\r\n0\r\n\r\n"):
+            data = s.recv(65536)
+            assert data, b"".join(reads)
+            reads.append(data)
+    last = reads[-1]
+    assert b'"finish_reason":"length"' in last and last.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), reads
+    assert (b'"usage":{' in last) is usage
+    stream = b"".join(reads)
+    events = [e for e in stream.split(b"\n\n") if b"data: " in e]
+    assert len(events) >= 3 and b"[DONE]" in events[-1]
+    assert stream.count(b'"finish_reason":"length"') == 1
