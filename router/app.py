@@ -53,7 +53,7 @@ class Router:
                                  self.metrics, self.health.confirm, roles)
         self.cluster = None  # a router.cluster.ClusterView when roles are decided in etcd
         self.all_metrics = None  # async () -> bytes: /metrics of every worker on the port (--workers)
-        self.proxy = Proxy(config, self.services, self.promoter, self.metrics)
+        self.proxy = Proxy(config, self.services, self.promoter, self.metrics, self.lag.wake)
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._stopped = False

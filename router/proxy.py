@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import structlog
 from aiohttp import web
@@ -43,8 +44,9 @@ ANSWERED = Answered()
 
 class Proxy:
     def __init__(self, config: RouterConfig, services: dict[str, Service], promoter: Promoter,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, wake: Callable[[], None] = lambda: None) -> None:
         self.config = config
+        self.wake = wake  # router/looplag.py LoopLag.wake: a request begins
         self.services = services
         self.promoter = promoter
         self.metrics = metrics
@@ -209,6 +211,7 @@ class Proxy:
         session = inst.session(self.config.connect_timeout)
         attempt = Attempt()  # Instance.abort_inflight fires its guard when inst is fenced
         inst.attempts.add(attempt)
+        self.wake()
         answer = getattr(request, "answer", None)  # router/front.py: the client's bytes first
         if answer is not None:  # and the task this runs in: no current_task() lookup in the guard
             attempt.guard.task = request.conn.task

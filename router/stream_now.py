@@ -68,6 +68,7 @@ class DirectStream(Direct):
         self.resp.on_done = self._ended
         inst.begin()
         inst.attempts.add(attempt)
+        proxy.wake()
         return self
 
     # -- the upstream's callbacks ---------------------------------------------------------------

@@ -11,7 +11,8 @@ import pytest
 from aiohttp import web
 
 from conftest import free_port
-from router.looplag import FAST_S, TICK_S, LoopLag
+from router import looplag
+from router.looplag import FAST_S, IDLE_S, TICK_S, LoopLag
 from router_helpers import running_router, serve_app, tolerant, wait_for
 
 pytestmark = pytest.mark.asyncio
@@ -29,7 +30,7 @@ async def test_the_tick_goes_fast_only_when_asked_and_still_measures_a_block():
     lag.start()
     try:
         await wait_for(lambda: len(seen) >= 1, what="a slow tick")
-        assert lag._handle.when() - loop.time() > FAST_S + 0.001  # asked for nothing: the 20 ms rhythm
+        assert lag._handle.when() - loop.time() > FAST_S + 0.001  # asked for nothing: the idle rhythm
         fast[0] = True
         n = len(seen)
         await wait_for(lambda: len(seen) >= n + 1, what="a tick")
@@ -43,6 +44,59 @@ async def test_the_tick_goes_fast_only_when_asked_and_still_measures_a_block():
     finally:
         await lag.stop()
     assert lag._handle is None and TICK_S > FAST_S
+
+
+async def test_after_a_busy_tick_the_tick_lingers_at_its_steady_rhythm_then_idles(monkeypatch):
+    # a tick that found nothing in flight, between two requests of a steady load, keeps TICK_S (the
+    # stall sampler learns the streams' rhythm from its ticks); only LINGER_S without a busy tick
+    # slows it to IDLE_S, an idle router's few wake-ups
+    monkeypatch.setattr(looplag, "LINGER_S", 0.3)
+    lag, busy, gaps = LoopLag(), [True], []
+    last = [None]
+
+    def on_tick(now: float) -> bool:
+        if last[0] is not None:
+            gaps.append((now - last[0], busy[0]))
+        last[0] = now
+        was, busy[0] = busy[0], False  # busy once, then nothing in flight
+        return was
+
+    lag.on_tick = on_tick
+    lag.start()
+    try:
+        await wait_for(lambda: sum(1 for g, _ in gaps if g > (TICK_S + IDLE_S) / 2) >= 2, timeout=5,
+                       what="two idle ticks")
+    finally:
+        await lag.stop()
+    seen = [g for g, _ in gaps]
+    assert seen[0] < TICK_S / 2 + FAST_S  # right after the busy tick: FAST_S
+    lingering = [g for g in seen[1:] if g < (TICK_S + IDLE_S) / 2]
+    idle = [g for g in seen[1:] if g >= (TICK_S + IDLE_S) / 2]
+    assert len(lingering) >= 5 and all(g >= TICK_S * 0.9 for g in lingering)  # ~0.3 s at TICK_S
+    assert all(g >= IDLE_S * 0.9 for g in idle)
+    first_idle = seen.index(idle[0])
+    assert all(g < (TICK_S + IDLE_S) / 2 for g in seen[1:first_idle])  # no idle tick within the linger
+
+
+async def test_a_request_wakes_an_idle_tick_without_a_false_lag(monkeypatch):
+    monkeypatch.setattr(looplag, "LINGER_S", 0.05)
+    lag, ticks = LoopLag(), []
+    lag.on_tick = lambda now: ticks.append(now) and False
+    loop = asyncio.get_running_loop()
+    lag.start()
+    try:
+        await wait_for(lambda: lag._handle.when() - loop.time() > TICK_S, timeout=3, what="the idle rhythm")
+        lag.wake()  # a request begins
+        woke = time.monotonic()
+        assert lag._handle.when() - loop.time() <= FAST_S + 0.001
+        n = len(ticks)
+        await wait_for(lambda: len(ticks) > n, timeout=1, what="the woken tick")
+        assert ticks[n] - woke < FAST_S + 0.05
+        assert lag.lag_since(woke - 0.001) < 0.05  # the early tick is not read as a late one
+        lag.wake()  # not idle now: nothing moves
+        assert lag._handle.when() - loop.time() > FAST_S + 0.001
+    finally:
+        await lag.stop()
 
 
 def slow_app(delay: float) -> web.Application:
