@@ -16,10 +16,10 @@ that (the stall sampler learns a stream's rhythm from the reads it sees between 
 found no request in flight, between two requests of a steady load, must not slow it), and ``IDLE_S``
 after a second with none. A request that begins while the tick idles calls ``wake``: the next tick
 comes at ``FAST_S`` and the linger starts, so the first streams after a quiet spell are sampled as
-before (a hang in them is judged by the rhythm the sampler saw). Lateness is measured, not counted in ticks, so a block of the loop reads
-the same at any rhythm. Each wake-up of an idle process is dear on a VM: an idle router in front of
-one instance took 17.5-18.0 ms of CPU a second at 50 ticks a second, 5.0-8.0 ms at 10
-(bench/router_micro.py --idle 8, 2-core VM).
+before (a hang in them is judged by the rhythm the sampler saw). Lateness is measured, not counted
+in ticks, so a block of the loop reads the same at any rhythm. Each wake-up of an idle process is
+dear on a VM: an idle router in front of one instance took 17.5-18.0 ms of CPU a second at 50 ticks
+a second, 5.0-8.0 ms at 10 (bench/router_micro.py --idle 8, 2-core VM).
 """
 
 from __future__ import annotations
