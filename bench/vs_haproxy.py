@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -383,11 +384,11 @@ async def main_async(args) -> int:
         print("haproxy not found: install it from your distribution (e.g. apt-get install haproxy)", file=sys.stderr)
         return 2
     loops = args.loop or ["auto"]
-    with tempfile.TemporaryDirectory(prefix="vs-haproxy-") as tmp:
+    if args.keep_logs is not None:  # the engines', HAProxy's and the token's files stay there
+        args.keep_logs.mkdir(parents=True, exist_ok=True)
+    with (contextlib.nullcontext(str(args.keep_logs)) if args.keep_logs is not None
+          else tempfile.TemporaryDirectory(prefix="vs-haproxy-")) as tmp:
         tmp = Path(tmp)
-        if args.keep_logs is not None:  # the engines', HAProxy's and the token's files stay there
-            tmp = args.keep_logs
-            tmp.mkdir(parents=True, exist_ok=True)
         model = write_checkpoint(tmp / "model", TinySpec(layers=2, hidden=64))
         if args.cpu:
             print(f"# router CPU, no faults, {args.cpu:.0f} s per kind, concurrency {args.concurrency}, "
