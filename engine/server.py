@@ -189,13 +189,11 @@ class EngineServer:
         try:
             if req.chat:
                 await send(chunk("", [], None, first=True))
-            tail = b""  # the finishing event, held to go out in one write with [DONE] and the end
+            tail = b""  # the finishing event (the last output: generate ends there), held to go
+            # out in one write with [DONE] and the end
             async with contextlib.aclosing(self._outputs(req)) as outputs:
                 async for out in outputs:
                     completion, reason = out.completion_tokens, out.finish_reason
-                    if tail:
-                        await resp.write(tail)
-                        tail = b""
                     if out.finished:
                         tail = event(chunk(out.text, out.token_ids, out.finish_reason))
                     elif out.text or out.token_ids:

@@ -44,7 +44,7 @@ ANSWERED = Answered()
 
 class Proxy:
     def __init__(self, config: RouterConfig, services: dict[str, Service], promoter: Promoter,
-                 metrics: Metrics, wake: Callable[[], None] = lambda: None) -> None:
+                 metrics: Metrics, wake: Callable[[], None]) -> None:
         self.config = config
         self.wake = wake  # router/looplag.py LoopLag.wake: a request begins
         self.services = services
