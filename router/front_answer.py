@@ -97,6 +97,13 @@ class FastStream:
             self.conn.send(b"%b%x\r\n%b\r\n" % (head, len(data), data))
         return self.conn._paused_writing
 
+    def send_chunk(self, chunk: bytes) -> bool:
+        """``send`` of bytes already framed as one chunk, once the head is out (router/stream.py's
+        lane: the engine's own chunk); True when the client's socket is now paused."""
+        assert not self.head and not self.ended, "send_chunk before the head or after the end"
+        self.conn.send(chunk)
+        return self.conn._paused_writing
+
     async def write(self, data: bytes) -> None:
         if data:
             if self.send(data):  # only then is there anything to wait for (send raised if closed)

@@ -32,6 +32,10 @@ class Metrics:
                                   ["service"], buckets=BLACKOUT_BUCKETS, registry=r)
         self.migrations = Counter(PREFIX + "migrations_total", "Streams re-issued on another instance "
                                   "after tokens were sent", ["service"], registry=r)
+        self.stream_reads = Counter(PREFIX + "stream_reads_total", "Upstream reads of the streams answered "
+                                    "in full, by how they were relayed: 'lane' (one chunk of one event, sent "
+                                    "as it came, inspected later) or 'parsed' (httptools and the SSE scan)",
+                                    ["service", "way"], registry=r)
         self.retries = Counter(PREFIX + "retries_total", "Requests re-sent before any byte reached "
                                "the client", ["service"], registry=r)
         self.up = Gauge(PREFIX + "backend_up", "1 while the instance's last health verdict is ready",

@@ -53,6 +53,7 @@ class Proxy:
         self.bodies = BodyBudget(config.max_buffered_bytes)
         self._counters: dict[tuple[str, int], object] = {}  # metric children, per request: no labels()
         self._latency: dict[str, object] = {}
+        self._reads: dict[str, tuple] = {}  # service -> stream_reads' (lane, parsed) children
 
     def pick(self, model: object) -> Service | None:
         """The service named by the request's ``model``, else the first service."""
@@ -161,7 +162,7 @@ class Proxy:
                 if relay is not None and relay.started:
                     if relay.finished:  # every token and the finish_reason are out: just close it
                         await relay.finish()
-                        self.count(service, 200, relay.first_byte_at, t0)
+                        self.count_stream(service, relay, t0)
                         return relay.response
                     if not relay.can_migrate or migrations >= self.config.max_migrations:
                         why = f"not migratable ({relay.why_not})" if not relay.can_migrate else "too many migrations"
@@ -286,7 +287,7 @@ class Proxy:
         finally:
             attempt.unwatch()
         await relay.finish()  # [DONE] came: still disarmed, so a fence cannot cut the close
-        self.count(service, 200, relay.first_byte_at, t0)
+        self.count_stream(service, relay, t0)
         await _drain(up)
         return relay.response
 
@@ -320,6 +321,16 @@ class Proxy:
             if hist is None:
                 hist = self._latency[service.name] = self.metrics.latency.labels(service.name)
             hist.observe(first_byte_at - t0)
+
+    def count_stream(self, service: Service, relay: StreamRelay, t0: float) -> None:
+        """``count`` for a stream answered in full, with how its reads were relayed."""
+        self.count(service, 200, relay.first_byte_at, t0)
+        reads = self._reads.get(service.name)
+        if reads is None:
+            reads = self._reads[service.name] = (self.metrics.stream_reads.labels(service.name, "lane"),
+                                                 self.metrics.stream_reads.labels(service.name, "parsed"))
+        reads[0].inc(relay.laned)
+        reads[1].inc(relay.parsed)
 
     def _counter(self, service: str, status: int):
         """requests_total's child for (service, status), looked up once (labels() takes a lock and

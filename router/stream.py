@@ -1,10 +1,12 @@
 """One client's SSE stream, relayed across however many upstream attempts it takes.
 
 Hot path (issue 20): the client gets the upstream's bytes unchanged, one write per upstream read
-(all the whole events it holds), not one per event; each event's data is decoded by the service's
-``Resume`` adapter (router/resume.py) only as far as migration needs: token ids, text carried,
-``finish_reason``. Nothing else is done per read but a timestamp (stall watchdog, ``last_ok``);
-the promoter's and the failover settlement's bookkeeping run once per attempt, on its first write.
+(all the whole events it holds). The common read, one chunk of one event, takes the lane
+(router/sse.py): sent as it came, framing and all, its event inspected only when its ids are
+needed (a break, the next parsed read, or ``HELD_MAX`` reads later). Any other read is parsed
+(httptools, then ``_scan``). The service's ``Resume`` adapter (router/resume.py) decodes an event
+only as far as migration needs: ids, text carried, ``finish_reason``. Per read only a timestamp
+besides (stall watchdog, ``last_ok``); the promoter's bookkeeping runs once per attempt.
 
 Migration: the relay remembers the token ids of every event it forwarded. When the upstream breaks
 after the client got tokens, the adapter's ``resume_body`` re-issues the request continuing after
@@ -29,11 +31,14 @@ from aiohttp import web
 
 from router.errors import BackendFailed
 from router.forward import MIGRATABLE_PATHS, parse
+from router.sse import data_of, event_data, one_event
 from router.resume import BUNDLED, Resume, Seen, inspect_dict
 
 _encode = msgspec.json.Encoder().encode
-
 _inspect = inspect_dict  # the dict form, for callers that hold a decoded event
+# Lane reads a relay sends before it inspects them (``_settle``): a break then finds at most this
+# many events to decode, and a long stream holds at most this many reads.
+HELD_MAX = 32
 __all__ = ["MIGRATABLE_PATHS", "ClientGone", "Seen", "StreamRelay"]
 
 
@@ -55,14 +60,16 @@ class StreamRelay:
         self.request = request
         # the engine kind's per-stream migration (router/adapters); None: our engine's (router/resume.py)
         self.resume: Resume = adapter.stream(self.payload, request.path) if adapter is not None else BUNDLED
-        self.can_migrate = request.path in MIGRATABLE_PATHS and head.n in (1, None) and not head.echo
+        self._can_migrate = request.path in MIGRATABLE_PATHS and head.n in (1, None) and not head.echo
         self.why_not = "no token_ids" if adapter is None else "the engine's events cannot be continued exactly"
         if adapter is not None and not self.resume.resumable:
-            self.can_migrate, self.why_not = False, self.resume.why_not
-        self.tokens: list[int] = []  # ids already sent to the client, all segments
+            self._can_migrate, self.why_not = False, self.resume.why_not
+        self._tokens: list[int] = []  # ids already sent to the client, all segments (``tokens``)
+        self._held: list[bytes] = []  # reads the lane sent, not yet inspected (``_settle``)
+        self.laned = self.parsed = 0  # upstream reads sent by the lane / by the parse (``_feed``)
         self.segment = 0  # 0: the first upstream attempt; >0: a migrated continuation
         self.first_id = self.created = None
-        self.finished = False  # a finish_reason was forwarded
+        self._finished = False  # a finish_reason was forwarded (``finished``)
         self.done = False  # [DONE] forwarded
         self.response: web.StreamResponse | None = None
         self.first_byte_at: float | None = None  # monotonic, for the latency histogram
@@ -77,6 +84,27 @@ class StreamRelay:
             self._payload = parse(self.raw)
             assert self._payload is not None, "a stream's body decoded as a Head but not as an object"
         return self._payload
+
+    @property
+    def tokens(self) -> list[int]:
+        """The token ids the client has, all segments, in order."""
+        if self._held:
+            self._settle()
+        return self._tokens
+
+    @property
+    def finished(self) -> bool:
+        """A finish_reason has reached the client."""
+        if self._held:
+            self._settle()
+        return self._finished
+
+    @property
+    def can_migrate(self) -> bool:
+        """A break now could be continued exactly (``why_not`` says why not)."""
+        if self._held:
+            self._settle()
+        return self._can_migrate
 
     @property
     def started(self) -> bool:
@@ -151,6 +179,7 @@ class StreamRelay:
             raise ClientGone() from exc
 
     def next_segment(self) -> None:
+        self._settle()
         self.segment += 1
 
     async def pump(self, content, instance: str, attempt, mark_ok: Callable[[float], None],
@@ -211,8 +240,13 @@ class StreamRelay:
                first_ok: Callable[[], None]) -> None:
         """The upstream attempt this relay reads from now (``pump``'s arguments); router/stream_now.py
         drives ``on_chunk`` itself, with no coroutine."""
+        if self._held:
+            self._settle()  # the last attempt's reads, named after it
         self._att = (instance, attempt, mark_ok, first_ok, content)
         self._buf, self._first, self._exc = b"", True, None
+        if (self.segment == 0 and not self.resume.rewrites_first and getattr(content, "chunked", False)
+                and getattr(self.request, "open_stream", None) is not None):
+            content.lane = self._lane  # router/upstream.py offers it each read while this relay is the sink
 
     def take_error(self):
         """What made ``on_chunk`` hand back (BackendFailed, ClientGone), or None; cleared."""
@@ -252,9 +286,52 @@ class StreamRelay:
             self._exc = exc
         content.unsink()
 
+    def _lane(self, data: bytes) -> bool:
+        """``_on_chunk`` for a read of one chunk of one event (router/sse.py), offered before httptools
+        sees it, once the first segment has started and nothing is held back: sent as it came, its
+        event inspected when its ids are needed (``_settle``). False: the usual path takes it."""
+        instance, attempt, mark_ok, _, content = self._att
+        if not one_event(data) or attempt.aborted or self._buf or self.response is None:
+            return False
+        try:
+            paused = self.response.send_chunk(data)
+        except ConnectionError:
+            return False
+        attempt.last = now = time.monotonic()
+        held = self._held
+        held.append(data)
+        self.laned += 1
+        mark_ok(now)
+        if paused:
+            attempt.disarm()  # as _on_chunk: the coroutine (or stream_now) drains, then re-arms
+            content.unsink()
+        elif len(held) >= HELD_MAX:
+            self._settle()
+        return True
+
+    def _settle(self) -> None:
+        """Inspect the lane's reads, in order. One that does not inspect (garbage the engine sent,
+        which the client has) makes the stream not migratable, naming it."""
+        held, self._held = self._held, []
+        instance = self._att[0] if self._att is not None else "?"
+        for data in held:
+            try:
+                s = self.resume.inspect(event_data(data), instance)
+            except BackendFailed as exc:
+                self._can_migrate, self.why_not = False, f"an event sent as it came is not one: {exc.detail}"
+                continue
+            self._record(s)
+
+    def _record(self, s: Seen) -> None:
+        self._tokens += s.ids
+        self._finished = self._finished or s.finished
+        if not s.migratable:
+            self._can_migrate = False
+
     def _feed(self, chunk: bytes, instance: str) -> bytes:
         """One upstream read into the event buffer: the bytes to send for the whole events it
         completed (b"" if none, or only comments), their ``Seen`` kept for ``_sent``."""
+        self.parsed += 1
         buf = self._buf + chunk if self._buf else chunk
         if b"\r" in chunk:
             buf = buf.replace(b"\r\n", b"\n")
@@ -268,11 +345,10 @@ class StreamRelay:
 
     def _sent(self, now: float) -> None:
         """The bytes of the last ``_feed`` are the client's: record their tokens."""
+        if self._held:
+            self._settle()  # the lane's reads came first
         for s in self._seen:
-            self.tokens += s.ids
-            self.finished = self.finished or s.finished
-            if not s.migratable:
-                self.can_migrate = False
+            self._record(s)
         _, _, mark_ok, first_ok, _ = self._att
         mark_ok(now)
         if self._first:
@@ -290,7 +366,7 @@ class StreamRelay:
         while pos < n:
             end = events.index(b"\n\n", pos)
             event, pos = events[pos:end], end + 2
-            data = _data_of(event)
+            data = data_of(event)
             if data is None:  # comment / keep-alive
                 if first_seg and not self.started and not seen:
                     skip = pos
@@ -322,10 +398,3 @@ class StreamRelay:
             return (events[skip:] if seen else b""), seen
         return b"".join(pieces), seen
 
-
-def _data_of(event: bytes) -> bytes | None:
-    """The data field of one SSE event (multi-line data joined with newlines), or None."""
-    if event.startswith(b"data: ") and b"\n" not in event:
-        return event[6:]  # the common case, no copy of the split
-    parts = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
-    return b"\n".join(parts) if parts else None

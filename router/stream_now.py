@@ -188,7 +188,7 @@ class DirectStream(Direct):
         chunk is awaited for the pool, the slot held till then (as the task path's ``_drain``)."""
         self.over = True
         self.relay.response.end_now()
-        self.proxy.count(self.service, 200, self.relay.first_byte_at, self.t0)
+        self.proxy.count_stream(self.service, self.relay, self.t0)
         resp = self.resp
         if resp.complete or resp.error is not None or self.conn.closed:
             self._release()

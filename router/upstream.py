@@ -51,6 +51,7 @@ class _Conn(asyncio.Protocol):
         self.paused = False
         self.head = False  # the request in flight is a HEAD: its response has no body
         self.fed: Response | None = None  # the response whose bytes httptools has seen
+        self.mid = False  # httptools is inside a chunk of a chunked body (between its header and its end)
 
     # -- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -63,6 +64,9 @@ class _Conn(asyncio.Protocol):
             return
         if resp.whole and self.fed is not resp and not self.head and self._whole(resp, data):
             return
+        lane = resp.lane
+        if lane is not None and not self.mid and resp.sink is not None and lane(data):
+            return  # one whole chunk, taken by the relay's lane: httptools stays at a chunk's boundary
         self.fed = resp  # httptools has seen this response's bytes: it reads the rest
         try:
             self.parser.feed_data(data)
@@ -115,8 +119,10 @@ class _Conn(asyncio.Protocol):
         lk = name.lower()
         if lk == b"content-type":
             resp.content_type = value.split(b";", 1)[0].strip().lower().decode("latin-1")
-        elif lk == b"content-length" or (lk == b"transfer-encoding" and b"chunked" in value.lower()):
+        elif lk == b"content-length":
             resp.delimited = True
+        elif lk == b"transfer-encoding" and b"chunked" in value.lower():
+            resp.delimited = resp.chunked = True
 
     def on_headers_complete(self) -> None:
         resp = self.resp
@@ -147,6 +153,12 @@ class _Conn(asyncio.Protocol):
             self.paused = True
             self.transport.pause_reading()
         resp._wake()
+
+    def on_chunk_header(self) -> None:
+        self.mid = True
+
+    def on_chunk_complete(self) -> None:
+        self.mid = False
 
     def on_message_complete(self) -> None:
         resp = self.resp

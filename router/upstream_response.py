@@ -22,7 +22,7 @@ class Response:
 
     __slots__ = ("status", "content_type", "_chunks", "_size", "complete", "error",
                  "_waiter", "_conn", "headers_done", "raw_headers", "lines", "keep_alive", "delimited", "sink",
-                 "on_done", "waker", "whole")
+                 "on_done", "waker", "whole", "chunked", "lane")
 
     def __init__(self, conn) -> None:  # router/upstream.py's _Conn
         self._conn = conn
@@ -48,6 +48,11 @@ class Response:
         # change (headers, body, end, error); it must not raise
         self.waker: Callable[[], None] | None = None
         self.whole = False  # the reader takes the body whole: never pause reading for it
+        self.chunked = False  # Transfer-Encoding: chunked
+        # the relay's lane (router/stream.py ``_lane``): while ``sink`` is set, offered each read that
+        # starts at a chunk's boundary, before httptools sees it; True: it took the read (one whole
+        # chunk), which httptools then never sees; False: the read goes the usual way. Must not raise.
+        self.lane: Callable[[bytes], bool] | None = None
 
     @property
     def headers(self) -> list[tuple[str, str]]:
@@ -101,7 +106,7 @@ class Response:
 
     def unsink(self) -> None:
         """The sink hands the body back to the coroutine reader, waking it."""
-        self.sink = None
+        self.sink = None  # the lane stays: it is offered only while a sink is set
         self._wake()
 
     def _wake(self) -> None:

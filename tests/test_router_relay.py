@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from conftest import free_port
-from router_helpers import one_engine, running_router, tolerant
+from router_helpers import counter, one_engine, running_router, tolerant
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
@@ -100,10 +100,15 @@ async def test_a_streams_bytes_reach_the_client_exactly_as_the_engine_sent_them(
                 assert resp.headers["content-type"] == "text/event-stream"
                 got = b"".join([chunk async for chunk in resp.iter_bytes()])
             await c.close()
+            lane = counter(router, "failover_router_stream_reads_total", way="lane")
+            parsed = counter(router, "failover_router_stream_reads_total", way="parsed")
     sent = [body for raw in recorded for body in sse_bodies(bytes(raw))]
     assert len(sent) == 1, f"expected one stream through the tap, saw {len(sent)}"
     assert got.count(b"\n\n") > 5 and got.endswith(b"data: [DONE]\n\n")  # a real stream, many events
     assert got == sent[0]
+    # the engine frames an event as the lane's shape: its reads went by the lane, but the first
+    # (the head with it) and the last (the end in one write), unless the box made two reads one
+    assert lane >= 1 and parsed >= 2, (lane, parsed)
 
 
 def test_the_event_loop_is_uvloop_when_installed_and_asyncio_on_request():

@@ -12,7 +12,8 @@ from router import states
 from router.admin import TokenFileError, read_token
 from router.backend import Attempt, Instance
 from router.config import RouterConfig
-from router.stream import _data_of, _inspect
+from router.sse import data_of
+from router.stream import _inspect
 
 
 def make(role: str = states.PRIMARY) -> Instance:
@@ -83,9 +84,9 @@ def test_token_file_must_be_private(tmp_path):
 
 
 def test_sse_parsing_and_chunk_inspection():
-    assert _data_of(b"data: {}") == b"{}"
-    assert _data_of(b": keep-alive") is None
-    assert _data_of(b"event: x\ndata: a\ndata: b") == b"a\nb"
+    assert data_of(b"data: {}") == b"{}"
+    assert data_of(b": keep-alive") is None
+    assert data_of(b"event: x\ndata: a\ndata: b") == b"a\nb"
     seen = _inspect({"choices": [{"index": 0, "text": "hi", "token_ids": [5, 6], "finish_reason": None}]}, "e")
     assert seen.ids == [5, 6] and seen.carried and seen.migratable and not seen.finished
     seen = _inspect({"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": "stop"}]}, "e")
