@@ -241,7 +241,22 @@ async def phase_router(model: Path, args, logs: Path, loop: str, workers: int = 
         result = await drive(load, args.kills, args.interval, args.concurrency, kill_primary, pid)
         await asyncio.sleep(0.5)
         records.append((await side.status(s, full=True))["last_failover"].get("default"))
+        threads["stream_reads_lane_share"] = await lane_share(s, side.url)
     return result | ov | models | threads | {"records": [r for r in records if r], "faults": faults}
+
+
+async def lane_share(s: aiohttp.ClientSession, router_url: str) -> float | None:
+    """The share of the streams' upstream reads that went by the relay's lane (router/sse.py), from
+    the router's /metrics (None where it has no such counter: a router before 2026-12-04)."""
+    async with s.get(router_url + "/metrics") as r:
+        text = await r.text()
+    ways = {"lane": 0.0, "parsed": 0.0}
+    for line in text.splitlines():
+        if line.startswith("failover_router_stream_reads_total{"):
+            way = line.split('way="', 1)[1].split('"', 1)[0]
+            ways[way] = ways.get(way, 0.0) + float(line.rsplit(" ", 1)[1])
+    total = ways["lane"] + ways["parsed"]
+    return round(ways["lane"] / total, 3) if total else None
 
 
 async def cpu_phase(model: Path, args, logs: Path, loop: str) -> dict:
@@ -266,6 +281,7 @@ async def cpu_phase(model: Path, args, logs: Path, loop: str) -> dict:
         rps = await closed_loop(side.url + "/v1/models", 16, args.models_s)
         out["models_cpu_ms_per_req"] = round((cpu_s(side.pid) - c0) * 1e3 / (rps * args.models_s), 3)
         out["models_rps"] = round(rps)
+        out["stream_reads_lane_share"] = await lane_share(s, side.url)
     extra = out["stream_cpu_ms_per_req"] - out["whole_cpu_ms_per_req"]
     out["cpu_us_per_sse_event"] = round(extra * 1e3 / out["events_per_stream"], 1)
     return out
@@ -343,7 +359,7 @@ def _verdict(key: str, a, b) -> str:
 def print_report(ours: dict[str, dict], theirs: dict) -> None:
     keys = ["requests", "failed", "broken_streams", "blackout_p50_ms", "blackout_p99_ms", "longest_stream_stall_ms",
             "latency_p50_ms", "latency_p99_ms", "latency_p99_calm_ms", "added_p50_ms", "added_p99_ms", "rps", "models_rps",
-            "models_direct_rps", "proxy_cpu_ms_per_req", "resume_prefill_ms", "engine_cpu_threads"]
+            "models_direct_rps", "proxy_cpu_ms_per_req", "resume_prefill_ms", "engine_cpu_threads", "stream_reads_lane_share"]
     names = [f"router/{loop}" for loop in ours]
     print(f"{'metric':<26}" + "".join(f"{n:>16}" for n in names) + f"{'haproxy':>10}"
           + "".join(f"{'ratio ' + n.split('/')[1]:>16}{'target':>18}" for n in names))
