@@ -84,6 +84,11 @@ class HealthMonitor:
         if self.config.hang_probe_timeout > 0:
             self.lag.on_tick = self._stall_tick  # the sampler rides on the loop-lag timer: no task of its own
 
+    def stream_rhythm(self, inst: Instance) -> float | None:
+        """The inter-read gap the stall sampler has learned for ``inst``'s streams (None: none yet;
+        a hang is then seen by the probes alone)."""
+        return self._silence.rhythm(inst)
+
     def confirm(self, inst: Instance) -> None:
         """Probe now (a proxied request just failed on ``inst``)."""
         self._spawn(inst)

@@ -87,6 +87,11 @@ class StreamSilence:
             self._tracks.pop(inst, None)
         return latest if silent and known else None
 
+    def rhythm(self, inst: Instance) -> float | None:
+        """``inst``'s recent inter-read gap over all its streams (seconds), or None: no stream of it
+        has been seen to keep one yet, and its silence judges nothing."""
+        return self._gap.get(inst)
+
     @property
     def tracked(self) -> dict:
         """The instances with streams sampled at the last tick."""

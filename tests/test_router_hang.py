@@ -34,12 +34,16 @@ async def both_ready(svc) -> None:
                    timeout=20, what="primary and standby ready")
 
 
-async def freeze_midstream(engine, inst, load, tries: int = 20) -> None:
+async def freeze_midstream(engine, inst, load, health, tries: int = 20) -> None:
     """SIGSTOP ``engine`` while one of its streams is still being relayed: the premise of a hang seen
     by its streams. A stream the client still reads may be all in the router already (the engine
     sent its last token before the freeze, and its bytes were still in the sockets), and then only
     probes can see the hang; so freeze, let those bytes drain, look, and thaw and try again (a freeze
-    of 50 ms is no hang) until a relay of it is still open."""
+    of 50 ms is no hang) until a relay of it is still open. Not before the stall sampler has seen the
+    engine's streams keep a rhythm (router/stall.py): a freeze before that leaves nothing to judge
+    by, and then only the probes can call it. The tiny model's streams can end inside one 10 ms tick
+    (seen: 1 run in 12 froze that early before 2026-12-04, 6 in 30 with the faster relay)."""
+    await wait_for(lambda: health.stream_rhythm(inst) is not None, timeout=30, what="the streams' rhythm learned")
     for _ in range(tries):
         await load.streaming(1)
         kill(engine.proc, signal.SIGSTOP)
@@ -64,7 +68,7 @@ async def test_a_frozen_primary_under_streaming_load_is_failed_by_its_stalled_st
         await both_ready(svc)
         c, ref, load = await under_load(router, 4)
         await load.until(4)
-        await freeze_midstream(a, svc.instances["eng-a"], load)
+        await freeze_midstream(a, svc.instances["eng-a"], load, router.health)
         try:
             if loop_stall:
                 await asyncio.sleep(0.05)
