@@ -88,22 +88,19 @@ class StreamRelay:
     @property
     def tokens(self) -> list[int]:
         """The token ids the client has, all segments, in order."""
-        if self._held:
-            self._settle()
+        self._settle()
         return self._tokens
 
     @property
     def finished(self) -> bool:
         """A finish_reason has reached the client."""
-        if self._held:
-            self._settle()
+        self._settle()
         return self._finished
 
     @property
     def can_migrate(self) -> bool:
         """A break now could be continued exactly (``why_not`` says why not)."""
-        if self._held:
-            self._settle()
+        self._settle()
         return self._can_migrate
 
     @property
@@ -240,8 +237,7 @@ class StreamRelay:
                first_ok: Callable[[], None]) -> None:
         """The upstream attempt this relay reads from now (``pump``'s arguments); router/stream_now.py
         drives ``on_chunk`` itself, with no coroutine."""
-        if self._held:
-            self._settle()  # the last attempt's reads, named after it
+        self._settle()  # the last attempt's reads, named after it
         self._att = (instance, attempt, mark_ok, first_ok, content)
         self._buf, self._first, self._exc = b"", True, None
         if (self.segment == 0 and not self.resume.rewrites_first and getattr(content, "chunked", False)
@@ -302,16 +298,18 @@ class StreamRelay:
         held.append(data)
         self.laned += 1
         mark_ok(now)
+        if len(held) >= HELD_MAX:
+            self._settle()
         if paused:
             attempt.disarm()  # as _on_chunk: the coroutine (or stream_now) drains, then re-arms
             content.unsink()
-        elif len(held) >= HELD_MAX:
-            self._settle()
         return True
 
     def _settle(self) -> None:
         """Inspect the lane's reads, in order. One that does not inspect (garbage the engine sent,
-        which the client has) makes the stream not migratable, naming it."""
+        which the client has) makes the stream not migratable, naming it. Nothing held: nothing."""
+        if not self._held:
+            return
         held, self._held = self._held, []
         instance = self._att[0] if self._att is not None else "?"
         for data in held:
@@ -345,8 +343,7 @@ class StreamRelay:
 
     def _sent(self, now: float) -> None:
         """The bytes of the last ``_feed`` are the client's: record their tokens."""
-        if self._held:
-            self._settle()  # the lane's reads came first
+        self._settle()  # the lane's reads came first
         for s in self._seen:
             self._record(s)
         _, _, mark_ok, first_ok, _ = self._att
