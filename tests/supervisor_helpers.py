@@ -207,6 +207,10 @@ class Node:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def events(self, *names: str) -> str:
+        """The log's lines that name any of ``names`` (for an assertion's message)."""
+        return "\n".join(line for line in self.log().splitlines() if any(n in line for n in names))
+
     def status(self) -> dict:
         code, doc = http("GET", self.url + "/admin/status", token=self.token)
         assert code == 200, doc

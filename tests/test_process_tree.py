@@ -11,13 +11,15 @@ import asyncio
 import os
 import signal
 import sys
+import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from failover.procs import child as processes
-from failover.procs.tree import TreeChild, group_members, mapped_shm
+from failover.procs.tree import TreeChild, group_members, mapped_shm, private_tmp, spawn_tree
 from failover_common.proc import become_subreaper
 
 HERE = Path(__file__).resolve().parent
@@ -27,9 +29,10 @@ def _shm() -> set[str]:
     return {f for f in os.listdir("/dev/shm") if f.startswith(("psm_", "sem.mp-"))}
 
 
-async def _start(out: Path) -> TreeChild:
+async def _start(out: Path, run_dir: Path) -> TreeChild:
     with open(out, "wb") as f:
-        child = processes.spawn("tree", [sys.executable, str(HERE / "tree_child.py")], stdout=f, cls=TreeChild)
+        child = spawn_tree("tree", [sys.executable, str(HERE / "tree_child.py")], run_dir=run_dir,
+                           env=dict(os.environ), stdout=f)
     deadline = time.monotonic() + 60
     while b"ready" not in out.read_bytes():
         assert child.alive and time.monotonic() < deadline, out.read_text()
@@ -40,13 +43,16 @@ async def _start(out: Path) -> TreeChild:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("how", ["kill -9 of the leader", "stop (TERM, then KILL)"])
-async def test_a_process_tree_ends_as_one_and_leaves_no_shared_memory(tmp_path, how):
+async def test_a_process_tree_ends_as_one_and_leaves_no_shared_memory(tmp_path, run_dir, how):
     become_subreaper()  # as the supervisor: the orphaned members are re-parented to us
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGCHLD, processes.reap_orphans)
     before = _shm()
     try:
-        child = await _start(tmp_path / "out")
+        child = await _start(tmp_path / "out", run_dir)
+        assert child.tmpdir == run_dir / "tree.tmp" and child.tmpdir.stat().st_mode & 0o777 == 0o700
+        left_in_tmp = sorted(p.name for p in child.tmpdir.iterdir())
+        assert len(left_in_tmp) == 4 and sum(n.endswith(".sock") for n in left_in_tmp) == 2, left_in_tmp
         members = group_members(child.pid)
         assert len(members) >= 4, members  # leader, tracker, two workers
         mapped = set().union(*(mapped_shm(p) for p in members))
@@ -61,8 +67,26 @@ async def test_a_process_tree_ends_as_one_and_leaves_no_shared_memory(tmp_path, 
         assert not child.alive
         assert group_members(child.pgid) == [], "a process of the tree outlived it"
         assert _shm() - before == set(), f"left in /dev/shm: {_shm() - before}"
+        assert not child.tmpdir.exists() and child.tmp_removed == 4, f"the tree's temp dir: {left_in_tmp}"
         assert elapsed < 5.0, f"the tree took {elapsed:.1f} s to end"
     finally:
         loop.remove_signal_handler(signal.SIGCHLD)
         for p in group_members(child.pgid) if "child" in locals() else []:
             os.kill(p, signal.SIGKILL)
+
+
+def test_a_tree_temp_dir_is_in_the_run_dir_when_a_socket_path_in_it_fits(run_dir):
+    stale = run_dir / "chat-0.tmp"
+    stale.mkdir()
+    (stale / "old.sock").write_bytes(b"")  # a dead predecessor's, its supervisor SIGKILLed
+    fresh = private_tmp(run_dir, "chat-0")
+    assert fresh == stale and list(fresh.iterdir()) == [] and fresh.stat().st_mode & 0o777 == 0o700
+    deep = run_dir / ("d" * 60)
+    deep.mkdir()
+    elsewhere = private_tmp(deep, "chat-0")
+    try:
+        assert elsewhere.parent == Path(tempfile.gettempdir()) and elsewhere.name.startswith("failover-chat-0-")
+        assert len(f"{elsewhere}/{uuid.uuid4()}".encode()) <= 107  # vLLM's ZMQ ipc path fits sun_path
+        assert elsewhere.stat().st_mode & 0o777 == 0o700
+    finally:
+        elsewhere.rmdir()

@@ -21,7 +21,7 @@ import pytest
 from failover.procs.smaps import tree_memory
 from failover.procs.tree import group_members, mapped_shm
 from supervisor_helpers import Node, Workers, wait_until
-from vllm_helpers import READY_TIMEOUT, VLLM_FLAGS, needs_vllm, vllm_checkpoint
+from vllm_helpers import READY_TIMEOUT, VLLM_FLAGS, needs_vllm, vllm_checkpoint, vllm_tmp_files
 
 pytestmark = [needs_vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 PROMPTS = [f"story {i}: once upon a time" for i in range(6)]
@@ -102,6 +102,7 @@ def vllm_node(procs, run_dir):
                           supervisor={"ready_timeout": READY_TIMEOUT, "stop_timeout": 10.0},
                           router={"probe_timeout": 2.0, "probe_threshold": 3})
     node.shm_before = set(os.listdir("/dev/shm"))
+    node.tmp_before = vllm_tmp_files()
     node._launch(procs, Path(run_dir), config, ready_timeout=READY_TIMEOUT)
     yield node
     node.stop()  # SIGINT: exit 0, no slot process and no run dir left (asserted)
@@ -113,6 +114,9 @@ def test_vllm_primary_and_standby_fail_over_migrate_switch_and_leave_nothing(vll
     for inst in (primary, standby):  # weights = "cache" is the default
         assert node.slot(inst["name"])["weights_source"] == "cache", f"{inst['name']} not on the daemon's weights"
     assert node.status()["supervisor"]["daemon"]["pid"], "no cache daemon under a vLLM service on cached weights"
+    for inst in (primary, standby):  # each tree's temp dir is its own (failover.procs.tree.spawn_tree)
+        tmp = node.run_dir / f"{inst['name']}.tmp"
+        assert any(p.is_socket() for p in tmp.iterdir()), f"no ZMQ socket of vLLM in {tmp}"
     mem = {i["name"]: tree_memory(group_members(i["pid"]))["arena"] for i in (primary, standby)}
     for arena in mem.values():
         assert arena["Rss"] > 0 and arena["Private_Clean"] + arena["Private_Dirty"] == 0, mem
@@ -156,7 +160,7 @@ def test_vllm_primary_and_standby_fail_over_migrate_switch_and_leave_nothing(vll
     wait_until(lambda: load.ok >= 2, 60, "traffic before the switchover")
     res = node.cli("promote", "chat")
     assert res.returncode == 0, res.stderr
-    assert node.role("primary")["name"] == back[1]["name"]
+    assert node.role("primary")["name"] == back[1]["name"], node.events("role_changed", "instance_unready", "probe")
     res = node.cli("drain", back[1]["name"])
     assert res.returncode == 0, res.stderr
     wait_until(lambda: node.role("primary")["name"] == back[0]["name"], 30, "the drain's switch")
@@ -178,6 +182,9 @@ def test_vllm_primary_and_standby_fail_over_migrate_switch_and_leave_nothing(vll
     assert not left, f"/dev/shm files left behind: {left}"
     new = {f for f in os.listdir("/dev/shm") if f.startswith(("psm_", "sem.mp-"))} - node.shm_before
     assert not new, f"/dev/shm files that appeared while the node ran are left (tests run one at a time in CI): {new}"
+    new = vllm_tmp_files() - node.tmp_before
+    assert not new, f"vLLM's sockets and file stores left in the temp dir: {sorted(new)[:5]} ({len(new)})"
+    assert not list(node.run_dir.glob("*.tmp")), "a vLLM tree's private temp dir left in the run dir"
     node.stop = lambda: None  # stopped already
 
 

@@ -12,9 +12,11 @@ import asyncio
 import contextlib
 import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,9 +70,16 @@ def packing_daemon(model: Path, tag: str, tp: int = 1):
         run_dir.rmdir()
 
 
+def vllm_tmp_files() -> set[str]:
+    """What vLLM leaves in the system's temp dir when its temp dir is not its own: its ZMQ ipc
+    sockets and ``vllm_dist_*`` file stores (the supervisor gives each tree a private one)."""
+    tmp = Path(tempfile.gettempdir())
+    return {p.name for p in tmp.iterdir() if p.name.startswith("vllm_dist_") or (p.is_socket() and len(p.name) == 36)}
+
+
 class VllmServer:
     """``python -m vllm.entrypoints.openai.api_server`` in its own session; ``stop()`` ends the whole
-    process group and removes the /dev/shm files it mapped (a killed tree leaves them)."""
+    process group and removes the /dev/shm files it mapped and its temp dir (a killed tree leaves them)."""
 
     def __init__(self, model: Path, port: int, log: Path, name: str = "tiny", extra: tuple[str, ...] = (),
                  env: dict[str, str] | None = None) -> None:
@@ -79,8 +88,9 @@ class VllmServer:
                 "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name,
                 "--kv-cache-memory-bytes", str(256 << 20), *VLLM_FLAGS, *extra]
         self._out = open(log, "wb")
+        self.tmp = tempfile.mkdtemp(prefix="fo-vllm-")  # its ZMQ sockets and file store, as spawn_tree
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=None if env is None else os.environ | env)
+                                     start_new_session=True, env=os.environ | {"TMPDIR": self.tmp} | (env or {}))
         self.shm: set[str] = set()
 
     @property
@@ -119,6 +129,7 @@ class VllmServer:
         except ProcessLookupError:
             pass
         remove_shm(self.shm)
+        shutil.rmtree(self.tmp, ignore_errors=True)
         self._out.close()
         self.log.unlink(missing_ok=True)
 

@@ -20,6 +20,9 @@ group:
   ``/proc/PID/maps``: recorded whenever the tree is scanned (``scan()``, at ready) and once more at
   the leader's exit, with the survivors stopped (SIGSTOP) so they cannot map or unlink anything in
   between;
+- the tree's private temp dir (``spawn_tree``: ``TMPDIR``, as systemd's ``PrivateTmp``) is removed
+  with what it holds: vLLM leaves its ZMQ sockets and a ``vllm_dist_*`` file store in the temp dir
+  on every start, and a killed tree never removes them;
 - only then does the ``Child`` count as exited (``alive`` False, ``wait()`` returns, ``on_exit``
   runs): the slot's memory is free, a relaunch may start.
 
@@ -31,11 +34,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import structlog
 
+from failover.procs import child as processes
 from failover.procs.child import Child
 from failover_common.proc import stat_fields
 
@@ -45,6 +52,8 @@ SHM_DIR = "/dev/shm/"
 GROUP_GONE_TIMEOUT = 10.0  # SIGKILLed processes leave in milliseconds; one in D state may take longer
 TRACKER_GRACE = 3.0  # for multiprocessing's resource tracker to clean up after the others
 POLL = 0.005
+UNIX_PATH_MAX = 107  # sun_path's bytes, less its NUL
+SOCKET_NAME = 36  # what a tree names a socket in its temp dir: vLLM's ZMQ ipc paths are a uuid4
 
 
 def group_members(pgid: int) -> list[int]:
@@ -96,6 +105,31 @@ def mapped_shm(pid: int) -> set[str]:
     return paths
 
 
+def private_tmp(run_dir: Path, name: str) -> Path:
+    """A new, empty 0700 temp dir for the tree ``name``: ``run_dir/NAME.tmp`` (a dead predecessor's
+    removed first) when a socket path in it fits AF_UNIX's limit, else one made in the system's."""
+    path = Path(run_dir) / f"{name}.tmp"
+    if len(f"{path}/".encode()) + SOCKET_NAME > UNIX_PATH_MAX:
+        return Path(tempfile.mkdtemp(prefix=f"failover-{name}-"))
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(mode=0o700)
+    return path
+
+
+def spawn_tree(name: str, args: list[str], *, run_dir: Path, env: dict[str, str], **kwargs) -> TreeChild:
+    """``processes.spawn`` of a TreeChild whose temp dir (``TMPDIR``) is its own, removed with it.
+    ``env`` may name a TMPDIR of its own (an operator's ``engine_env``): that one is kept."""
+    tmp = private_tmp(run_dir, name)
+    try:
+        child = processes.spawn(name, args, env={"TMPDIR": str(tmp)} | env, cls=TreeChild, **kwargs)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    assert isinstance(child, TreeChild)
+    child.tmpdir = tmp  # its end is a task of the loop (_reap_group): it cannot come before this line
+    return child
+
+
 class TreeChild(Child):
     """A process group led by ``pid``, as one Child (see the module docstring)."""
 
@@ -105,6 +139,8 @@ class TreeChild(Child):
         self.leader_exited_at: float | None = None
         self.members_killed = 0
         self.shm_removed: list[str] = []
+        self.tmpdir: Path | None = None  # spawn_tree's: removed once the tree is gone
+        self.tmp_removed = 0  # files and dirs in it then
         super().__init__(name, pid, **kwargs)
 
     def send(self, sig: int) -> None:
@@ -166,9 +202,11 @@ class TreeChild(Child):
             log.error("process_tree_not_gone", process_name=self.name, pgid=self.pgid, pids=left,
                       hint="a process of the tree is stuck in the kernel (D state); its memory is not free yet")
         self.shm_removed = remove_shm(self.shm)
+        if self.tmpdir is not None and not left:  # a stuck member may still use it
+            self.tmp_removed = remove_tree(self.tmpdir)
         assert self.leader_exited_at is not None
         log.info("process_tree_gone", process_name=self.name, pgid=self.pgid, members_killed=self.members_killed,
-                 shm_removed=len(self.shm_removed), after_leader_ms=round((time.monotonic() - self.leader_exited_at) * 1e3, 1))
+                 shm_removed=len(self.shm_removed), tmp_removed=self.tmp_removed, after_leader_ms=round((time.monotonic() - self.leader_exited_at) * 1e3, 1))
         self._finish()
 
 
@@ -195,3 +233,12 @@ def remove_shm(paths: set[str]) -> list[str]:
             continue
         removed.append(path)
     return removed
+
+
+def remove_tree(path: Path) -> int:
+    """Remove the directory ``path`` and all it holds; returns how many entries it held."""
+    count = sum(len(dirs) + len(files) for _, dirs, files in os.walk(path))
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        log.warning("tmp_not_removed", path=str(path), hint="remove it by hand; nothing of the tree uses it")
+    return count
