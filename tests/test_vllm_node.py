@@ -160,16 +160,26 @@ def test_vllm_primary_and_standby_fail_over_migrate_switch_and_leave_nothing(vll
     wait_until(lambda: load.ok >= 2, 60, "traffic before the switchover")
     res = node.cli("promote", "chat")
     assert res.returncode == 0, res.stderr
-    assert node.role("primary")["name"] == back[1]["name"], node.events("role_changed", "instance_unready", "probe")
-    res = node.cli("drain", back[1]["name"])
+    assert f"primary={back[1]['name']}" in res.stdout, res.stdout  # the router's answer: the switch was made
+    # Whether it is still primary is the health monitor's call, not the promote's: on two shared
+    # cores a freshly started vLLM's first load can stall its streams and its /health together past
+    # hang_probe_timeout, and it is failed back over once the old primary is a standby again (seen
+    # once in CI). The drain takes whichever is primary once both are serving.
+    pair = wait_until(node.serving_pair, READY_TIMEOUT, "a serving primary and standby after the promote")
+    if pair[0]["name"] != back[1]["name"]:
+        print("failed over after the promote:\n" + node.events("role_changed", "hang_detected"))
+        trees[pair[0]["pid"]] = _tree_shm(pair[0]["pid"])  # a relaunched tree too
+        trees[pair[1]["pid"]] = _tree_shm(pair[1]["pid"])
+        node.seen_pids |= {m for p in pair for m in trees[p["pid"]][0]}
+    res = node.cli("drain", pair[0]["name"])
     assert res.returncode == 0, res.stderr
-    wait_until(lambda: node.role("primary")["name"] == back[0]["name"], 30, "the drain's switch")
+    wait_until(lambda: node.role("primary")["name"] == pair[1]["name"], 30, "the drain's switch")
     seen = load.total()
     wait_until(lambda: load.total() >= seen + 3, 60, "traffic after the drain")
     load.stop()
     load.check()
-    drained = wait_until(lambda: (p := node.serving_pair()) and p[1]["name"] == back[1]["name"]
-                         and p[1]["pid"] != back[1]["pid"] and p, READY_TIMEOUT, "the drained instance back")
+    drained = wait_until(lambda: (p := node.serving_pair()) and p[1]["name"] == pair[0]["name"]
+                         and p[1]["pid"] != pair[0]["pid"] and p, READY_TIMEOUT, "the drained instance back")
     for inst in drained:
         trees[inst["pid"]] = _tree_shm(inst["pid"])
         node.seen_pids |= set(trees[inst["pid"]][0])
