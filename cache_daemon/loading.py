@@ -2,7 +2,8 @@
 
 The loader gets one end of a private socketpair (never the public socket), so registrations need no
 peer check. The child dies with the daemon (PR_SET_PDEATHSIG, SIGKILL); a cancelled load (daemon
-shutdown) terminates it, then kills it after ``STOP_TIMEOUT_S``.
+shutdown) terminates it, then kills it after ``STOP_TIMEOUT_S``. Its temp dir (``TMPDIR``) is its
+own, removed after it: vLLM's tensor-parallel groups put ZMQ sockets there and never remove them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import os
 import socket
 import sys
+import tempfile
 from collections.abc import Callable
 
 import structlog
@@ -39,11 +41,17 @@ async def run_loader(s: DaemonSettings, registry: Registry,
                      on_progress: Callable[[int, int], None] = lambda done, total: None) -> str | None:
     """Load every rank into ``registry``; None on success, else why it failed (one line).
     ``on_progress(done, total)``: bytes packed so far, as the loader reports them."""
+    with tempfile.TemporaryDirectory(prefix="failover-loader-", ignore_cleanup_errors=True) as tmp:
+        return await _run(s, registry, on_progress, os.environ | {"TMPDIR": tmp})
+
+
+async def _run(s: DaemonSettings, registry: Registry, on_progress: Callable[[int, int], None],
+               env: dict[str, str]) -> str | None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     proc = None
     try:
         proc = await asyncio.create_subprocess_exec(*loader_cmd(s, theirs.fileno()), pass_fds=(theirs.fileno(),),
-                                                    stdin=asyncio.subprocess.DEVNULL)
+                                                    stdin=asyncio.subprocess.DEVNULL, env=env)
         theirs.close()
         ours.setblocking(False)
         log.info("loader_started", pid=proc.pid)

@@ -41,8 +41,9 @@ class Browser:
                 f"--user-data-dir={self.profile}", "--window-size=1280,900", "about:blank"]
         if os.geteuid() == 0:
             args.insert(1, "--no-sandbox")  # Chromium refuses to run its sandbox as root
+        # its temp dir is the profile's: Chromium leaves its singleton socket's dir in TMPDIR
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, env=os.environ | {"TMPDIR": str(self.profile)})
         port_file = self.profile / "DevToolsActivePort"
         deadline = time.monotonic() + timeout
         while not (port_file.exists() and port_file.read_text().count("\n") >= 1):

@@ -32,6 +32,37 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+_TMP: dict[str, str] = {}
+
+
+def pytest_configure(config):
+    """The suite's temp dir is its own, so what a test or the processes it starts leave in the temp
+    dir is seen (``pytest_sessionfinish``), whatever else runs on the machine. Pytest's own temp
+    dirs (``tmp_path``) stay where they were: sockets go in some of them, and AF_UNIX paths are short."""
+    if "TMPDIR" in _TMP or hasattr(config, "workerinput"):
+        return
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    _TMP["was"] = os.environ.get("TMPDIR", "")
+    _TMP["TMPDIR"] = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="fo-suite-tmp-")
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+
+def pytest_sessionfinish(session, exitstatus):
+    tmp = _TMP.pop("TMPDIR", None)
+    if tmp is None:
+        return
+    if was := _TMP.pop("was", ""):
+        os.environ["TMPDIR"] = was
+    else:
+        os.environ.pop("TMPDIR", None)
+    tempfile.tempdir = None
+    left = sorted(os.listdir(tmp))
+    shutil.rmtree(tmp, ignore_errors=True)
+    if left:
+        print(f"\nleft in the temp dir by the tests or their processes ({len(left)}): {left[:10]}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_collection_modifyitems(config, items):
     if has_cuda():
         return

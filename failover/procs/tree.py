@@ -117,11 +117,11 @@ def private_tmp(run_dir: Path, name: str) -> Path:
 
 
 def spawn_tree(name: str, args: list[str], *, run_dir: Path, env: dict[str, str], **kwargs) -> TreeChild:
-    """``processes.spawn`` of a TreeChild whose temp dir (``TMPDIR``) is its own, removed with it.
-    ``env`` may name a TMPDIR of its own (an operator's ``engine_env``): that one is kept."""
+    """``processes.spawn`` of a TreeChild whose temp dir (``TMPDIR``, over any in ``env``) is its
+    own, removed with it."""
     tmp = private_tmp(run_dir, name)
     try:
-        child = processes.spawn(name, args, env={"TMPDIR": str(tmp)} | env, cls=TreeChild, **kwargs)
+        child = processes.spawn(name, args, env=env | {"TMPDIR": str(tmp)}, cls=TreeChild, **kwargs)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
