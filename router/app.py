@@ -290,10 +290,10 @@ class Router:
             svc.closing = True
             svc.refresh()
         # 2. Stop probing, so no verdict fences or promotes anything mid-shutdown.
-        await self.health.stop()
+        await self._step("health", self.health.stop())
         await self.lag.stop()
         if self.cluster is not None:  # and leave the cluster: peers see this router's record go
-            await self.cluster.stop()
+            await self._step("cluster", self.cluster.stop())
         # 3. Close the listener, let in-flight requests finish (shutdown_timeout), cancel the rest.
         await self._runner.cleanup()
         self._runner = self._site = None
@@ -309,6 +309,21 @@ class Router:
             for inst in svc.instances.values():
                 await inst.close_session()
         log.info("router_stopped")
+
+    async def _step(self, name: str, coro) -> None:
+        """One step of ``stop``, given ``shutdown_timeout``: a step that has not ended by then is
+        logged with every task still pending, and left behind (a stop must end; the full suite once
+        waited 300 s on one here, twice in all, and it was not found)."""
+        task = asyncio.ensure_future(coro)
+        done, _ = await asyncio.wait({task}, timeout=self.config.shutdown_timeout)
+        if done:
+            task.result()
+            return
+        task.cancel()
+        pending = [f"{t.get_name()}: {_where(t)}" for t in asyncio.all_tasks()
+                   if not t.done() and t is not asyncio.current_task()]
+        log.error("router_stop_step_stuck", step=name, after_s=self.config.shutdown_timeout, pending=pending,
+                  hint="the rest of the stop goes on; please report this with the pending tasks")
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"alive": True})
@@ -345,3 +360,12 @@ async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
         headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         return web.json_response(error_body(message, "invalid_request_error", exc.status),
                                  status=exc.status, headers=headers)
+
+
+def _where(task: asyncio.Task) -> str:
+    """Where a pending task waits: its innermost frame, as file:line function."""
+    stack = task.get_stack()
+    if not stack:
+        return "?"
+    f = stack[-1]
+    return f"{f.f_code.co_filename.rsplit('/', 2)[-1]}:{f.f_lineno} {f.f_code.co_name}"
