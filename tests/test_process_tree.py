@@ -70,6 +70,9 @@ async def test_a_process_tree_ends_as_one_and_leaves_no_shared_memory(tmp_path, 
         assert not child.tmpdir.exists() and child.tmp_removed == 4, f"the tree's temp dir: {left_in_tmp}"
         assert elapsed < 5.0, f"the tree took {elapsed:.1f} s to end"
     finally:
+        if "child" in locals() and child.alive:  # a failed assertion: end it as the supervisor would,
+            child.send(signal.SIGKILL)  # the tracker spared, so its shared memory is removed too
+            await asyncio.wait([asyncio.ensure_future(child.wait())], timeout=15)
         loop.remove_signal_handler(signal.SIGCHLD)
         for p in group_members(child.pgid) if "child" in locals() else []:
             os.kill(p, signal.SIGKILL)
