@@ -248,13 +248,15 @@ async def phase_router(model: Path, args, logs: Path, loop: str, workers: int = 
 async def lane_share(s: aiohttp.ClientSession, router_url: str) -> float | None:
     """The share of the streams' upstream reads that went by the relay's lane (router/sse.py), from
     the router's /metrics (None where it has no such counter: a router before 2026-12-04)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     async with s.get(router_url + "/metrics") as r:
         text = await r.text()
     ways = {"lane": 0.0, "parsed": 0.0}
-    for line in text.splitlines():
-        if line.startswith("failover_router_stream_reads_total{"):
-            way = line.split('way="', 1)[1].split('"', 1)[0]
-            ways[way] = ways.get(way, 0.0) + float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "failover_router_stream_reads_total":
+                ways[sample.labels["way"]] += sample.value
     total = ways["lane"] + ways["parsed"]
     return round(ways["lane"] / total, 3) if total else None
 

@@ -93,3 +93,30 @@ def test_a_tree_temp_dir_is_in_the_run_dir_when_a_socket_path_in_it_fits(run_dir
         assert elsewhere.stat().st_mode & 0o777 == 0o700
     finally:
         elsewhere.rmdir()
+
+
+@pytest.mark.asyncio
+async def test_a_tree_given_a_temp_dir_of_the_operators_keeps_it(tmp_path, run_dir):
+    become_subreaper()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGCHLD, processes.reap_orphans)
+    theirs = run_dir / "theirs"
+    theirs.mkdir()
+    try:
+        with open(tmp_path / "out", "wb") as f:
+            child = spawn_tree("tree", [sys.executable, str(HERE / "tree_child.py")], run_dir=run_dir,
+                               env=dict(os.environ, TMPDIR=str(theirs)), own_tmp=False, stdout=f)
+        deadline = time.monotonic() + 60
+        while b"ready" not in (tmp_path / "out").read_bytes():
+            assert child.alive and time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        child.scan()
+        assert child.tmpdir is None and not (run_dir / "tree.tmp").exists()
+        assert len(list(theirs.iterdir())) == 4
+        await child.stop(0.5)
+        assert len(list(theirs.iterdir())) == 4, "the operator's temp dir was emptied"
+    finally:
+        if child.alive:
+            child.send(signal.SIGKILL)
+            await asyncio.wait([asyncio.ensure_future(child.wait())], timeout=15)
+        loop.remove_signal_handler(signal.SIGCHLD)

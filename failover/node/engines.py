@@ -125,12 +125,9 @@ class EngineStarter:
             report = weights_report(self.config, slot.name)
             report.unlink(missing_ok=True)  # a previous instance's: not this one's word
             argv = vllm_argv(self.config, svc, slot.port, kv, report=report)
-            env = vllm_env(self.config, svc)
-            if "TMPDIR" in svc.engine_env:  # the operator's temp dir: theirs to keep clean
-                return processes.spawn(slot.name, argv, on_exit=on_exit, env=env, stdout=self.child_output,
-                                       cls=TreeChild)
-            return spawn_tree(slot.name, argv, run_dir=self.config.run_path, on_exit=on_exit, env=env,
-                              stdout=self.child_output)
+            return spawn_tree(slot.name, argv, run_dir=self.config.run_path, env=vllm_env(self.config, svc),
+                              own_tmp="TMPDIR" not in svc.engine_env,  # else the operator's, theirs to keep clean
+                              on_exit=on_exit, stdout=self.child_output)
         if svc.command is not None:
             return processes.spawn(slot.name, external_argv(self.config, svc, slot.name, slot.port),
                                    on_exit=on_exit, stdout=self.child_output)

@@ -116,9 +116,12 @@ def private_tmp(run_dir: Path, name: str) -> Path:
     return path
 
 
-def spawn_tree(name: str, args: list[str], *, run_dir: Path, env: dict[str, str], **kwargs) -> TreeChild:
+def spawn_tree(name: str, args: list[str], *, run_dir: Path, env: dict[str, str], own_tmp: bool = True,
+               **kwargs) -> TreeChild:
     """``processes.spawn`` of a TreeChild whose temp dir (``TMPDIR``, over any in ``env``) is its
-    own, removed with it."""
+    own, removed with it; ``own_tmp`` False: ``env``'s, left as it is (an operator's choice)."""
+    if not own_tmp:
+        return processes.spawn(name, args, env=env, cls=TreeChild, **kwargs)
     tmp = private_tmp(run_dir, name)
     try:
         child = processes.spawn(name, args, env=env | {"TMPDIR": str(tmp)}, cls=TreeChild, **kwargs)
