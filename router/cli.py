@@ -24,6 +24,7 @@ from pathlib import Path
 
 import structlog
 
+from failover_common import cpus
 from failover_common.etcd import Etcd
 from failover_common.k8s_store import KubeStore, in_cluster_defaults
 from failover_common.logs import configure_logging
@@ -130,6 +131,9 @@ def parser() -> argparse.ArgumentParser:
                         "of the parent process (default: %(default)s; docs/router.md says when more pay)")
     p.add_argument("--share", type=Path, default=None, help=argparse.SUPPRESS)  # a worker: the role store's socket
     p.add_argument("--worker-id", type=int, default=0, help=argparse.SUPPRESS)  # 1..N: one of N workers
+    p.add_argument("--cpus", default="", metavar="LIST",
+                   help="run on these CPUs only, e.g. 0 or 2-3: cores the engines do not use "
+                        "(docs/operations.md, \"A core for the router\"; default: the kernel's choice)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -194,6 +198,13 @@ def main(argv: list[str]) -> int:
         print(f"failover router: {exc}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, process=f"router-worker-{args.worker_id}" if args.worker_id else "router")
+    if args.cpus:
+        try:
+            pinned = cpus.check(args.cpus)
+        except ValueError as exc:
+            print(f"failover router: --cpus: {exc}", file=sys.stderr)
+            return 2
+        cpus.pin_self(pinned)
     try:
         return evloop.run(_serve(config, args), args.loop)
     except (TokenFileError, OSError) as exc:

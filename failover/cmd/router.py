@@ -14,6 +14,7 @@ import sys
 
 import structlog
 
+from failover_common import cpus
 from failover_common.logs import configure_logging
 from router import cli, evloop
 
@@ -58,6 +59,12 @@ def main(argv: list[str]) -> int:
         print(f"failover router: instance names must be unique, got {names}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, process="router-pool")
+    if args.cpus:  # this process and so its workers (they pin themselves too: --cpus is passed on)
+        try:
+            cpus.pin_self(cpus.check(args.cpus))
+        except ValueError as exc:
+            print(f"failover router: --cpus: {exc}", file=sys.stderr)
+            return 2
     return evloop.run(_serve(args, worker_argv(argv)), "asyncio")
 
 

@@ -6,6 +6,7 @@ import os
 import sys
 
 from failover.config.schema import Config, ServiceConfig
+from failover_common import cpus
 
 
 def daemon_argv(config: Config) -> list[str]:
@@ -48,16 +49,21 @@ def engine_argv(config: Config, svc: ServiceConfig, port: int, kv_bytes: int,
 def cpu_threads(config: Config, svc: ServiceConfig) -> int:
     """Torch threads for each process of ``svc``'s engines (0: torch's default, one per core).
 
-    ``service.cpu_threads`` when set. Else, on CPU, ``share`` of the cores this process may run on
+    ``service.cpu_threads`` when set. Else, on CPU, ``share`` of the cores the engines may run on
     among the engine processes that compute at once: each service's primary or batch engine, one per
     rank (standbys wait idle). Every engine at torch's default would ask for all the cores: then a
     step's threads wait at each op's barrier for one another's turn (docs/operations.md, "CPU
-    threads"). On CUDA torch's default stays: the host threads there mostly wait for the GPU."""
+    threads"). With ``router.cpus`` the engines' cores are the others, all theirs: the router's are
+    kept already. On CUDA torch's default stays: the host threads there mostly wait for the GPU."""
     if svc.cpu_threads is not None:
         return svc.cpu_threads
     if config.model.device != "cpu":
         return 0
-    return share(len(os.sched_getaffinity(0)), config.model.tp * len(config.service))
+    busy = config.model.tp * len(config.service)
+    engines = cpus.placed()
+    if engines is not None:
+        return max(1, len(engines) // busy)
+    return share(len(os.sched_getaffinity(0)), busy)
 
 
 def share(cores: int, busy: int) -> int:

@@ -1,5 +1,5 @@
 """Checks of the machine before `failover up` starts anything: model files and their tensor-parallel
-split, free memory for the KV budgets, free ports, the batch files, the run dir.
+split, free memory for the KV budgets, free ports, the router's CPUs, the batch files, the run dir.
 
 Only `failover up` runs them (admin commands load the config without touching the machine); every
 problem is reported at once, each naming its key.
@@ -16,6 +16,7 @@ from cache_daemon.layout import undivided_by_tp
 from failover.config.kv import block_bytes, min_pool_bytes, standby_bytes
 from failover.config.schema import BatchConfig, Config, ConfigError, ModelConfig
 from failover.procs import memory
+from failover_common import cpus
 from failover_common.ports import port_is_free
 from failover_common.proc import pid_alive
 
@@ -33,6 +34,11 @@ def preflight(config: Config) -> None:
     for key, host, port in ports:
         if not port_is_free(port, host):
             problems.append(f"{key}: port {port} is in use on {host}; stop what holds it or choose another port")
+    if config.router.cpus:
+        try:
+            cpus.split(config.router.cpus)
+        except ValueError as e:
+            problems.append(f"router.cpus: {e}")
     for i, svc in enumerate(config.service):
         if svc.batch is not None:
             problems += _check_batch_files(f"service[{i}].batch", svc.batch)

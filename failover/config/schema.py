@@ -20,6 +20,7 @@ import msgspec
 from failover.config.batch_checks import check_batch
 from failover.config.engine_checks import check_engine, check_template
 from failover.config.errors import explain, unknown_key
+from failover_common import cpus
 from failover_common.sizes import parse_size
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
@@ -67,6 +68,9 @@ class RouterConfig(_Base):
     loop_lag_tolerance: Positive = 0.1  # a probe timed out while the router's loop lagged more: not counted
     hang_probe_timeout: NonNegative = 0.1  # every stream of the primary silent + a probe unanswered this long: hung (0: off)
     replace_settle_timeout: NonNegative = 2.0  # a replacement waits at most this for the failover to settle
+    # CPUs kept for the router (and the supervisor it runs in), e.g. "0" or "0-1": every process the
+    # node starts runs on the others. "" (default): the kernel places everything (docs/operations.md)
+    cpus: str = ""
 
     @property
     def max_body_bytes(self) -> int:
@@ -298,6 +302,11 @@ def _check_router(r: RouterConfig) -> list[str]:
     if not problems and r.max_buffered_bytes < r.max_body_bytes:
         problems.append(f"router.max_buffered: {r.max_buffered!r} is less than router.max_body "
                         f"({r.max_body!r}); it must hold at least one whole body")
+    if r.cpus:
+        try:
+            cpus.parse(r.cpus)
+        except ValueError as e:
+            problems.append(f"router.cpus: {e}")
     return problems
 
 

@@ -41,6 +41,7 @@ def node_status(self) -> dict:
                    "pid": daemon.child.pid if daemon.child and daemon.child.alive else None,
                    "restarts": daemon.restarts, "incidents": daemon.incidents[-5:]},
         "zygote": {"pid": zyg.child.pid if zyg.alive else None, "restarts": max(zyg.restarts, 0)},
+        **({"cpus": self.placement} if self.placement else {}),
         "failed": dict(self.failed),
         "slots": [slot.as_json() for slot in self.slots.values()],
         "batch": self.coserve.status(),

@@ -44,6 +44,7 @@ from failover.procs import launch
 from failover.procs.child import Child, ChildFailed
 from failover.procs.liveness import Watchdog
 from failover.procs.restart import CrashLoop, RestartPolicy
+from failover_common import cpus
 from failover_common.proc import become_subreaper
 from router import states
 from router.errors import AdminError
@@ -97,11 +98,14 @@ class Supervisor:
         self.serving = False  # set once the first start() is through: from then on exits are healed
         self.started_at = time.monotonic()
         self._bg: set[asyncio.Task] = set()
+        self.placement: dict[str, str] | None = None  # router.cpus: the router's CPUs and the engines'
 
     # -- start -----------------------------------------------------------------------------------
     async def start(self) -> None:
         """Daemon and zygote (concurrently), then every slot, then the router. Raises on failure."""
         self.run_dir.prepare()
+        if self.config.router.cpus:  # the router on its own cores, everything we start on the others
+            self.placement = cpus.place_node(self.config.router.cpus)
         become_subreaper()
         asyncio.get_running_loop().add_signal_handler(signal.SIGCHLD, self._reap_orphans)
         self.engines.session = aiohttp.ClientSession()

@@ -25,6 +25,7 @@ from typing import Callable
 import aiohttp
 import structlog
 
+from failover_common import cpus
 from failover_common.proc import die_with_parent
 
 log = structlog.get_logger(__name__)
@@ -130,6 +131,7 @@ def reap(pid: int) -> int | None:
 _WATCHED: set[int] = set()  # pids a Child watches
 
 
+
 def reap_orphans() -> list[int]:
     """Collect exited descendants re-parented to us that nobody watches (call on SIGCHLD)."""
     reaped = []
@@ -154,10 +156,14 @@ def spawn(name: str, args: list[str], *, on_exit: Callable[[Child], None] | None
           env: dict[str, str] | None = None, stdout=None, stderr=None,
           deathsig: int = signal.SIGKILL, pass_fds: tuple[int, ...] = (), cls: type[Child] = Child) -> Child:
     """Start ``args`` as a named child in its own session, with PR_SET_PDEATHSIG (``cls``: a
-    ``failover.procs.tree.TreeChild`` watches the whole process group)."""
+    ``failover.procs.tree.TreeChild`` watches the whole process group). It runs on a node's
+    engine CPUs (``cpus.place_node``), set in the child before exec, while it has one thread."""
+    children = cpus.placed()
 
     def preexec() -> None:  # runs in the child between fork and exec
         die_with_parent(deathsig)
+        if children is not None:
+            os.sched_setaffinity(0, children)
 
     stderr = stdout if stderr is None else stderr  # a log file given for output takes both streams
     popen = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
