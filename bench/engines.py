@@ -22,11 +22,18 @@ def free_port() -> int:
     return ports.free_port()
 
 
+def on_cpus(cpus: frozenset[int] | None):
+    """A ``preexec_fn`` putting the child on ``cpus`` before exec (None: no preexec_fn)."""
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+
+
 class EngineProc:
     """One ``failover engine`` process (disk weights unless told otherwise), in its own process group.
-    ``cpu_threads`` (class-wide, set from a bench's command line): its ``--cpu-threads`` (0: torch's)."""
+    Class-wide, set from a bench's command line: ``cpu_threads``, its ``--cpu-threads`` (0: torch's);
+    ``cpus``, the CPUs it runs on (None: the kernel's choice; failover_common.cpus)."""
 
     cpu_threads = 0
+    cpus: frozenset[int] | None = None
 
     def __init__(self, model: Path, port: int | None = None, *, extra: tuple[str, ...] = (),
                  log_dir: Path | None = None) -> None:
@@ -36,7 +43,7 @@ class EngineProc:
                 "--device", "cpu", "--port", str(self.port), "--cpu-threads", str(self.cpu_threads), *extra]
         out = open(log_dir / f"engine-{self.port}-{time.monotonic_ns()}.log", "wb") if log_dir else subprocess.DEVNULL
         self.proc = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=on_cpus(self.cpus))
         if out is not subprocess.DEVNULL:
             out.close()
 

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines import EngineProc, free_port  # noqa: E402
 from failover.procs import priority  # noqa: E402
+from failover_common import cpus  # noqa: E402
 
 
 async def replacement(e: EngineProc, nice: int) -> None:
@@ -155,6 +156,7 @@ class RouterSide:
         self.model, self.logs, self.loop, self.workers = model, logs, loop, workers
         self.in_process, self.profile, self.nice = args.in_process, args.profile, args.nice_replacement
         self.log_level = args.router_log_level
+        self.proxy_cpus = getattr(args, "proxy_cpus", "")  # the router process on these CPUs, its engines on the rest
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = logs / f"admin-token-{self.port}"
@@ -171,7 +173,8 @@ class RouterSide:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--model", str(self.model),
                "--logs", str(self.logs), "--port", str(self.port), "--token", str(self.token), "--loop", self.loop,
                "--nice-replacement", str(self.nice), "--workers", str(self.workers),
-               "--log-level", self.log_level, "--engine-threads", str(EngineProc.cpu_threads)]
+               "--log-level", self.log_level, "--engine-threads", str(EngineProc.cpu_threads),
+               "--proxy-cpus", self.proxy_cpus]
         if self.profile is not None:
             self.profile.mkdir(parents=True, exist_ok=True)
             out = self.profile / f"router-{self.loop}.txt"
@@ -236,9 +239,13 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning"))
     p.add_argument("--engine-threads", type=int, default=0, help="each engine's --cpu-threads (0: torch's)")
+    p.add_argument("--proxy-cpus", default="", help="this process (the router) on these CPUs, the engines on the rest")
     from router import evloop
     args = p.parse_args()
     EngineProc.cpu_threads = args.engine_threads  # this process starts the router phase's engines
+    if args.proxy_cpus:
+        mine, EngineProc.cpus = cpus.split(args.proxy_cpus)
+        cpus.pin_self(mine)  # its workers (--workers) start from here and take it too
     return evloop.run(router_child(args), args.loop)
 
 

@@ -45,12 +45,13 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engines import EngineProc, free_port  # noqa: E402
+from engines import EngineProc, free_port, on_cpus  # noqa: E402
 from client_figures import line as client_line  # noqa: E402
 from loadgen import Load, closed_loop, percentile, summary  # noqa: E402
 from router_side import RouterSide, replacement  # noqa: E402
 from failover.config.argv import share  # noqa: E402
 from failover.config.schema import SupervisorConfig  # noqa: E402
+from failover_common import cpus  # noqa: E402
 
 HAPROXY_CFG = """
 global
@@ -94,12 +95,14 @@ async def overhead(direct: str, proxied: dict[str, str], n: int) -> dict:
                    "added_p99_ms": round((percentile(lat[name], 99) - d99) * 1e3, 2)} for name in proxied}
 
 
-def start_haproxy(logs: Path, p1: int, p2: int) -> tuple[subprocess.Popen, str]:
-    """HAProxy (HAPROXY_CFG) in front of the engines on ports ``p1`` (primary) and ``p2``."""
+def start_haproxy(logs: Path, p1: int, p2: int, cpus: frozenset[int] | None = None) -> tuple[subprocess.Popen, str]:
+    """HAProxy (HAPROXY_CFG) in front of the engines on ports ``p1`` (primary) and ``p2``, on ``cpus``
+    (None: the kernel's choice)."""
     port = free_port()
     cfg = logs / f"haproxy-{port}.cfg"
     cfg.write_text(HAPROXY_CFG.format(port=port, p1=p1, p2=p2))
-    hap = subprocess.Popen(["haproxy", "-f", str(cfg), "-db"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    hap = subprocess.Popen(["haproxy", "-f", str(cfg), "-db"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           preexec_fn=on_cpus(cpus))
     return hap, f"http://127.0.0.1:{port}"
 
 
@@ -112,12 +115,13 @@ def stop_haproxy(hap: subprocess.Popen) -> None:
         hap.wait()
 
 
-async def overhead_side_by_side(primary: str, standby: str, router: str, logs: Path, n: int) -> dict:
+async def overhead_side_by_side(primary: str, standby: str, router: str, logs: Path, n: int,
+                                cpus: frozenset[int] | None = None) -> dict:
     """The router's added latency and HAProxy's, interleaved over the router phase's own engines
     (HAProxy in front of them for this measurement only): the two proxies' figures from one
     sitting, where the separate phases' figures also carry the box's drift between them."""
     port = lambda url: int(url.rsplit(":", 1)[1])  # noqa: E731
-    hap, url = start_haproxy(logs, port(primary), port(standby))
+    hap, url = start_haproxy(logs, port(primary), port(standby), cpus)
     try:
         await asyncio.sleep(1.0)  # its first checks
         both = await overhead(primary, {"router": router, "haproxy": url}, n)
@@ -209,7 +213,8 @@ async def phase_router(model: Path, args, logs: Path, loop: str, workers: int = 
         primary = next(i for i in insts if i["role"] == "primary")
         standby = next(i for i in insts if i["role"] == "standby")
         threads = {"engine_cpu_threads": await engine_threads(s, primary["url"])}
-        ov = await overhead_side_by_side(primary["url"], standby["url"], side.url, logs, args.overhead_n)
+        ov = await overhead_side_by_side(primary["url"], standby["url"], side.url, logs, args.overhead_n,
+                                         args.proxy_cpu_set)
         ov["resume_prefill_ms"] = await resume_prefill(primary["url"], max(10, args.overhead_n // 4))
         models = {"models_direct_rps": round(await closed_loop(primary["url"] + "/v1/models", 16, args.models_s)),
                   "models_rps": round(await closed_loop(side.url + "/v1/models", 16, args.models_s))}
@@ -308,7 +313,7 @@ async def phase_haproxy(model: Path, args, logs: Path) -> dict:
     p1, p2 = free_port(), free_port()
     servers = {"primary": EngineProc(model, p1, log_dir=logs), "standby": EngineProc(model, p2, log_dir=logs)}
     await asyncio.gather(*(e.wait_ready() for e in servers.values()))
-    hap, url = start_haproxy(logs, p1, p2)
+    hap, url = start_haproxy(logs, p1, p2, args.proxy_cpu_set)
     try:
         await asyncio.sleep(1.0)
         async with aiohttp.ClientSession() as s:
@@ -420,6 +425,7 @@ async def main_async(args) -> int:
               f"  kills={args.kills} interval={args.interval}s concurrency={args.concurrency}  {version}"
               f"  router: {where}, loops {[evloop.name(k) for k in loops]} workers {args.router_workers}"
               f"  nice-replacement={args.nice_replacement} engine-threads={args.engine_threads or 'torch default'}"
+              f"  proxy-cpus={args.proxy_cpus or 'kernel'}"
               f"  load average {os.getloadavg()[0]:.2f}")
         ours = {}
         for loop in loops:
@@ -461,6 +467,9 @@ def main() -> int:
     p.add_argument("--keep-logs", type=Path, metavar="DIR",
                    help="write the engines' and HAProxy's logs (and the model) into DIR and keep them")
     p.add_argument("--profile", type=Path, help="py-spy the router process; raw stacks into DIR")
+    p.add_argument("--proxy-cpus", default="", metavar="LIST",
+                   help="both proxies (the router's process, HAProxy) on these CPUs, e.g. 0, and the engines on "
+                        "the others, as router.cpus places a node (docs/operations.md); default: the kernel's choice")
     args = p.parse_args()
     args.router_workers = args.router_workers or [1]
     EngineProc.cpu_threads = args.engine_threads
@@ -468,6 +477,14 @@ def main() -> int:
         p.error("--router-workers runs worker processes: drop --in-process")
     if args.in_process and args.profile:
         p.error("--profile samples the router's own process: drop --in-process")
+    args.proxy_cpu_set = None
+    if args.proxy_cpus:
+        if args.in_process:
+            p.error("--proxy-cpus places the router's own process: drop --in-process")
+        try:
+            args.proxy_cpu_set, EngineProc.cpus = cpus.split(args.proxy_cpus)
+        except ValueError as e:
+            p.error(f"--proxy-cpus: {e}")
     return asyncio.run(main_async(args))
 
 
