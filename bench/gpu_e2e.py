@@ -104,6 +104,15 @@ def make_checkpoint(d: Path, layers: int) -> int:
     return nbytes
 
 
+def cpus_of(pid: int) -> str:
+    """The CPUs ``pid`` may run on, as the kernel writes them (or why not: a sandbox may not say)."""
+    from failover_common import cpus
+    try:
+        return cpus.text(cpus.allowed_of(pid))
+    except (OSError, ValueError) as e:
+        return f"unknown ({e})"
+
+
 def node_config(a, run: Path, model: Path, batch_in: Path | None):
     rport, eport = free_port_pair(), free_port_pair()
     while eport in (rport, rport + 1) or eport + 1 == rport:
@@ -116,7 +125,8 @@ def node_config(a, run: Path, model: Path, batch_in: Path | None):
                          "batch": {"input": str(batch_in), "output": str(batch_in.with_suffix(".out.jsonl"))}})
     return parse_config({
         "run_dir": str(run), "model": {"path": str(model), "dtype": a.dtype, "device": a.device, "tp": a.tp},
-        "router": {"port": rport, "probe_interval": 0.1, "probe_timeout": 0.25},
+        "router": {"port": rport, "probe_interval": 0.1, "probe_timeout": 0.25,
+                   **({"cpus": a.router_cpus} if a.router_cpus else {})},
         # the bench's kills, spaced by --settle, are independent faults, not a crash loop: the window
         # is shorter than their spacing, so each replacement starts at once instead of backing off
         "supervisor": {"launch": "zygote", "log_level": "info", "ready_timeout": 900.0,
@@ -146,6 +156,8 @@ async def measure(a, work: Path, model: Path, nbytes: int, report: dict) -> None
         try:
             await sup.start()
             report["node_up_s"] = round(time.monotonic() - t0, 2)
+            if sup.placement:  # router.cpus, and what each process the node started runs on
+                report["cpus"] = sup.placement | {f"{s.name}_cpus": cpus_of(s.pid) for s in sup.slots.values() if s.pid}
             loaded = log_events(node_log, "rank_loaded")
             if loaded:
                 report["daemon_load_s"] = loaded[0].get("seconds")
@@ -262,6 +274,9 @@ def main() -> int:
                    "on CPU: gloo ranks, a plumbing check)")
     p.add_argument("--cpu-threads", type=int, default=0, metavar="N",
                    help="the chat service's service.cpu_threads (0: the supervisor's default)")
+    p.add_argument("--router-cpus", default="", metavar="LIST",
+                   help="router.cpus: the supervisor (here: this process, its router and the clients) on LIST, "
+                        "every process the node starts on the other CPUs (default: the kernel's placement)")
     p.add_argument("--faults", type=int, default=1, help="kill -9s of the primary under load (20: p50/p99/max)")
     p.add_argument("--settle", type=float, default=None,
                    help="seconds of load between a round's ready standby and the next kill (2 on CUDA, 1 on CPU)")

@@ -1,9 +1,9 @@
 """CPU placement: the router on cores of its own, the engines on the others (issue 20).
 
 A router that shares a core with an engine comes back to caches the engine evicted: on the 2-core
-bench box its added latency for a one-token completion was 0.22-0.30 ms p50 with the kernel's
-placement and 0.12-0.18 ms with the router on one core and the engines on the other, HAProxy's figure
-in the same runs (docs/router.md, "A core of its own"). HAProxy's ``cpu-map``, nginx's
+bench box its added latency for a one-token completion was 0.21-0.40 ms p50 (1.4-1.8x HAProxy's)
+with the kernel's placement and 0.12-0.21 ms (0.9-1.2x HAProxy's, placed the same way) with the
+router on one core and the engines on the other (docs/router.md, "A core of its own"). HAProxy's ``cpu-map``, nginx's
 ``worker_cpu_affinity`` and Kubernetes' static CPU manager exist for the same reason.
 
 A CPU list is the kernel's format (``cpuset(7)``, ``taskset -c``): ``"0"``, ``"0,2"``, ``"0-3,8"``.
