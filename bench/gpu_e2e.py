@@ -108,8 +108,8 @@ def cpus_of(pid: int) -> str:
     """The CPUs ``pid`` may run on, as the kernel writes them (or why not: a sandbox may not say)."""
     from failover_common import cpus
     try:
-        return cpus.text(cpus.allowed_of(pid))
-    except (OSError, ValueError) as e:
+        return cpus.text(os.sched_getaffinity(pid))
+    except OSError as e:
         return f"unknown ({e})"
 
 

@@ -115,13 +115,3 @@ def place_node(router: str) -> dict[str, str]:
 def placed() -> frozenset[int] | None:
     """The CPUs ``place_node`` gave the processes this node starts; None: no placement."""
     return _ENGINES
-
-
-def allowed_of(pid: int | str = "self") -> frozenset[int]:
-    """The CPUs a process's main thread may run on, read from ``/proc/PID/status``
-    (``Cpus_allowed_list``)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("Cpus_allowed_list:"):
-                return parse(line.split(":", 1)[1].strip())
-    raise ValueError(f"/proc/{pid}/status has no Cpus_allowed_list")

@@ -1,6 +1,6 @@
 """CPU placement (``router.cpus``, ``failover router --cpus``): the router on cores of its own, every
-process the node starts on the others. Real processes; each one's placement is read from
-``/proc/PID/task/*/status``, every thread of it."""
+process the node starts on the others. Real processes; each one's placement is asked of the kernel
+(``sched_getaffinity``) for every thread of it (``/proc/PID/task``)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def threads_cpus(pid: int) -> dict[int, frozenset[int]]:
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            out[int(tid)] = cpus.allowed_of(f"{pid}/task/{tid}")
-        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            out[int(tid)] = frozenset(os.sched_getaffinity(int(tid)))  # a thread id works as a pid here
+        except ProcessLookupError:  # a thread that ended meanwhile
             continue
     return out
 
