@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port
+from failover.cmd.admin import render_table
 from failover.config.schema import ConfigError, load_config
 from failover.config.preflight import preflight
 from failover_common import cpus
@@ -95,6 +96,7 @@ def test_a_node_runs_its_router_on_its_cpus_and_every_process_it_starts_on_the_o
         doc = node.status()
         sup = doc["supervisor"]
         assert sup["cpus"] == {"router": str(mine), "engines": cpus.text(rest)}
+        assert f"cpus: router {mine}, engines {cpus.text(rest)}" in render_table(doc).splitlines()
         placed = threads_cpus(node.proc.pid)
         assert len(placed) > 1 and set(placed.values()) == {frozenset({mine})}, placed  # every thread
         started = [sup["daemon"]["pid"], sup["zygote"]["pid"], *(s["pid"] for s in sup["slots"])]

@@ -132,6 +132,9 @@ def render_table(doc: dict) -> str:
             lines.append(f"service {svc.get('name')}: {state}")
         if isinstance(svc.get("batch"), dict):
             lines.append(batch_line(svc["name"], svc["batch"]))
+    placed = (doc.get("supervisor") or {}).get("cpus")
+    if isinstance(placed, dict):  # router.cpus
+        lines.append(f"cpus: router {placed.get('router')}, engines {placed.get('engines')}")
     if isinstance(doc.get("cluster"), dict):
         lines += ["", *cluster_lines(doc["cluster"])]
     return "\n".join(lines)
