@@ -52,6 +52,14 @@ def _name_url(text: str) -> tuple[str, str]:
 MAX_WORKERS = 64  # more router processes than this on one host is a typo, not a plan
 
 
+def cpu_list(text: str) -> frozenset[int]:
+    """``--cpus``: a CPU list (failover_common.cpus) naming only CPUs this process may run on."""
+    try:
+        return cpus.check(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def worker_count(text: str) -> int:
     try:
         n = int(text)
@@ -131,7 +139,7 @@ def parser() -> argparse.ArgumentParser:
                         "of the parent process (default: %(default)s; docs/router.md says when more pay)")
     p.add_argument("--share", type=Path, default=None, help=argparse.SUPPRESS)  # a worker: the role store's socket
     p.add_argument("--worker-id", type=int, default=0, help=argparse.SUPPRESS)  # 1..N: one of N workers
-    p.add_argument("--cpus", default="", metavar="LIST",
+    p.add_argument("--cpus", type=cpu_list, default=None, metavar="LIST",
                    help="run on these CPUs only, e.g. 0 or 2-3: cores the engines do not use "
                         "(docs/operations.md, \"A core for the router\"; default: the kernel's choice)")
     p.add_argument("--log-level", default="info")
@@ -199,12 +207,7 @@ def main(argv: list[str]) -> int:
         return 2
     configure_logging(args.log_level, process=f"router-worker-{args.worker_id}" if args.worker_id else "router")
     if args.cpus:
-        try:
-            pinned = cpus.check(args.cpus)
-        except ValueError as exc:
-            print(f"failover router: --cpus: {exc}", file=sys.stderr)
-            return 2
-        cpus.pin_self(pinned)
+        cpus.pin_self(args.cpus)
     try:
         return evloop.run(_serve(config, args), args.loop)
     except (TokenFileError, OSError) as exc:

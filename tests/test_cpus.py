@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -17,6 +16,7 @@ from conftest import free_port
 from failover.cmd.admin import render_table
 from failover.config.schema import ConfigError, load_config
 from failover.config.preflight import preflight
+from failover.coserve.release import descendants
 from failover_common import cpus
 from supervisor_helpers import Node, http, wait_until, write_config
 
@@ -32,20 +32,6 @@ def threads_cpus(pid: int) -> dict[int, frozenset[int]]:
             out[int(tid)] = frozenset(os.sched_getaffinity(int(tid)))  # a thread id works as a pid here
         except ProcessLookupError:  # a thread that ended meanwhile
             continue
-    return out
-
-
-def tree(pid: int) -> list[int]:
-    """``pid`` and every process below it (an engine's tensor-parallel ranks, a vLLM tree)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        for tid in os.listdir(f"/proc/{p}/task"):
-            try:
-                todo += [int(c) for c in Path(f"/proc/{p}/task/{tid}/children").read_text().split()]
-            except FileNotFoundError:
-                continue
     return out
 
 
@@ -102,7 +88,7 @@ def test_a_node_runs_its_router_on_its_cpus_and_every_process_it_starts_on_the_o
         started = [sup["daemon"]["pid"], sup["zygote"]["pid"], *(s["pid"] for s in sup["slots"])]
         assert all(started) and len(started) == 4, sup
         for pid in started:
-            for p in tree(pid):
+            for p in [pid, *descendants(pid)]:
                 assert set(threads_cpus(p).values()) == {rest}, (pid, p, threads_cpus(p))
         # a replacement, forked by the zygote after the kill, is placed as the first ones were
         primary = next(s for s in sup["slots"] if s["slot"] == doc["services"][0]["primary"])
@@ -135,7 +121,7 @@ def test_a_standalone_router_and_its_workers_run_on_the_cpus_given(procs, tmp_pa
     log.close()
     try:
         def workers():
-            kids = [p for p in tree(proc.pid) if p != proc.pid]
+            kids = descendants(proc.pid)
             return kids if len(kids) >= 2 else None
         kids = wait_until(workers, 60, "two router workers")
         time.sleep(0.5)  # their loops and threads started

@@ -60,11 +60,7 @@ def main(argv: list[str]) -> int:
         return 2
     configure_logging(args.log_level, process="router-pool")
     if args.cpus:  # this process and so its workers (they pin themselves too: --cpus is passed on)
-        try:
-            cpus.pin_self(cpus.check(args.cpus))
-        except ValueError as exc:
-            print(f"failover router: --cpus: {exc}", file=sys.stderr)
-            return 2
+        cpus.pin_self(args.cpus)
     return evloop.run(_serve(args, worker_argv(argv)), "asyncio")
 
 

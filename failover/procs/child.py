@@ -131,7 +131,6 @@ def reap(pid: int) -> int | None:
 _WATCHED: set[int] = set()  # pids a Child watches
 
 
-
 def reap_orphans() -> list[int]:
     """Collect exited descendants re-parented to us that nobody watches (call on SIGCHLD)."""
     reaped = []
