@@ -12,11 +12,13 @@ signal requires. Outside failover (the variable unset) the plugin does nothing.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 
 from failover_common.proc import die_with_parent
 
+log = logging.getLogger(__name__)
 ENV = "FAILOVER_VLLM_DIE_WITH_PARENT"
 _registered = False
 
@@ -26,16 +28,20 @@ def register() -> None:
     global _registered
     if os.environ.get(ENV) == "1":
         die_with_parent(signal.SIGKILL)
-    if not _registered:
-        _registered = True
-        try:
-            from vllm.model_executor.model_loader import register_model_loader
+    if _registered:
+        return
+    _registered = True
+    from failover_vllm.detokenizer import install
 
-            from failover_vllm.model_loader import LOAD_FORMAT, FailoverModelLoader
-        except ImportError as e:  # another vLLM than the loader is written for: vLLM itself still runs
-            import logging
+    if not install():
+        log.warning("failover could not fix this vLLM's detokenizer: a stream migrated where a character "
+                    "was split may begin with its prompt's text (vllm-project/vllm#48853)")
+    try:
+        from vllm.model_executor.model_loader import register_model_loader
 
-            logging.getLogger(__name__).warning("failover's --load-format failover is unavailable with this "
-                                                "vLLM (%s); weights = \"disk\" still works", e)
-            return
-        register_model_loader(LOAD_FORMAT)(FailoverModelLoader)
+        from failover_vllm.model_loader import LOAD_FORMAT, FailoverModelLoader
+    except ImportError as e:  # another vLLM than the loader is written for: vLLM itself still runs
+        log.warning("failover's --load-format failover is unavailable with this vLLM (%s); "
+                    "weights = \"disk\" still works", e)
+        return
+    register_model_loader(LOAD_FORMAT)(FailoverModelLoader)

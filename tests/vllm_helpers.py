@@ -137,13 +137,31 @@ class VllmServer:
 class Breaker:
     """A TCP proxy to ``upstream`` that closes a connection once ``cut_after`` bytes came back
     through it, ``max_cuts`` times in all (then it passes everything): a primary whose stream breaks
-    mid-way, as a crash does it."""
+    mid-way, as a crash does it. ``arm(k)`` instead cuts the next stream right after its k-th SSE
+    event (one stream at a time through the proxy)."""
 
-    def __init__(self, upstream_port: int, cut_after: int, max_cuts: int = 1) -> None:
+    def __init__(self, upstream_port: int, cut_after: int = 0, max_cuts: int = 1) -> None:
         self.upstream_port, self.cut_after, self.max_cuts = upstream_port, cut_after, max_cuts
         self.cuts = 0
+        self.cut_events = self.events = 0  # arm(): the event to cut after, and those passed since
         self.server: asyncio.Server | None = None
         self.tasks: set[asyncio.Task] = set()
+
+    def arm(self, events: int) -> None:
+        """Cut the stream that passes next right after its ``events``-th event, once."""
+        self.cut_events, self.events = events, 0
+
+    def _event_cut(self, chunk: bytes, last: bytes) -> int | None:
+        """Where in ``chunk`` (a response read; ``last``: the byte before it) the armed event ends."""
+        joined = last + chunk
+        at = joined.find(b"\n\n")
+        while at >= 0:
+            self.events += 1
+            if self.events == self.cut_events:
+                self.cut_events = 0
+                return at + 2 - len(last)
+            at = joined.find(b"\n\n", at + 2)
+        return None
 
     async def start(self, port: int) -> None:
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", port)
@@ -159,16 +177,19 @@ class Breaker:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
 
-        async def pipe(src, dst, limit: int) -> None:
-            sent = 0
+        async def pipe(src, dst, limit: int, response: bool = False) -> None:
+            sent, last = 0, b""
             try:
                 while chunk := await src.read(65536):
-                    if limit and sent + len(chunk) >= limit:
-                        dst.write(chunk[: limit - sent])
+                    cut = self._event_cut(chunk, last) if response and self.cut_events else None
+                    if cut is None and limit and sent + len(chunk) >= limit:
+                        cut = limit - sent
+                    if cut is not None:
+                        dst.write(chunk[:cut])
                         await dst.drain()
                         self.cuts += 1
                         break
-                    sent += len(chunk)
+                    sent, last = sent + len(chunk), chunk[-1:]
                     dst.write(chunk)
                     await dst.drain()
             except ConnectionError:
@@ -180,7 +201,7 @@ class Breaker:
         limit = self.cut_after if self.cuts < self.max_cuts else 0
         self.tasks |= {asyncio.current_task()}
         try:
-            await asyncio.gather(pipe(reader, up_w, 0), pipe(up_r, writer, limit))
+            await asyncio.gather(pipe(reader, up_w, 0), pipe(up_r, writer, limit, response=True))
         except asyncio.CancelledError:  # stop(): the test is over
             for w in (writer, up_w):
                 w.transport.abort()
