@@ -85,3 +85,42 @@ def test_vllm_services_that_map_the_daemon_cannot_share_a_node_with_the_bundled_
         parse_config(raw)
     raw["service"][0]["weights"] = "disk"
     assert needs_cache(parse_config(raw))  # ours still maps it
+
+
+def _vllm_node(tiny_model, run_dir, **service):
+    from supervisor_helpers import write_config
+    from failover.config.schema import load_config
+    return load_config(write_config(run_dir / f"n{len(list(run_dir.iterdir()))}.toml", model=tiny_model,
+                                    run_dir=run_dir / "run",
+                                    service_extra={"engine": "vllm", "kv_memory": "256MiB", **service}))
+
+
+def test_up_refuses_an_engine_python_without_vllm_or_without_failovers_plugin(tiny_model, run_dir, tmp_path,
+                                                                              monkeypatch):
+    """Real interpreters: a missing one; a bare venv; the same venv with a vllm package on its path
+    but no failover installed; this test's own interpreter (vllm and the plugin where vLLM's venv runs it)."""
+    import subprocess
+    import sys
+
+    from failover.config.preflight import preflight
+    from vllm_helpers import HAVE_VLLM
+
+    with pytest.raises(ConfigError, match=r"service\[0\] \(chat\).engine_python: /nonexistent/python cannot be run"):
+        preflight(_vllm_node(tiny_model, run_dir, engine_python="/nonexistent/python"))
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
+    bare = str(tmp_path / "bare" / "bin" / "python")
+    with pytest.raises(ConfigError, match=r"engine_python: .*/bare/bin/python cannot import vllm"):
+        preflight(_vllm_node(tiny_model, run_dir, engine_python=bare))
+    (tmp_path / "site" / "vllm").mkdir(parents=True)
+    (tmp_path / "site" / "vllm" / "__init__.py").write_text("")
+    with monkeypatch.context() as m:  # the engine's environment is ours plus engine_env
+        m.setenv("PYTHONPATH", str(tmp_path / "site"))
+        m.chdir(tmp_path)  # as vLLM, the probe imports from the working dir too: not this checkout's
+        with pytest.raises(ConfigError, match=r"failover is not installed in .*/bare/bin/python's environment"):
+            preflight(_vllm_node(tiny_model, run_dir, engine_python=bare))
+    ours = _vllm_node(tiny_model, run_dir, engine_python=sys.executable)
+    if HAVE_VLLM:  # vLLM's venv has failover installed (README): the check passes
+        preflight(ours)
+    else:
+        with pytest.raises(ConfigError, match=r"cannot import vllm"):
+            preflight(ours)

@@ -1,5 +1,6 @@
 """Checks of the machine before `failover up` starts anything: model files and their tensor-parallel
-split, free memory for the KV budgets, free ports, the router's CPUs, the batch files, the run dir.
+split, free memory for the KV budgets, free ports, the router's CPUs, the batch files, the run dir,
+and that a vLLM service's interpreter has vLLM and failover's plugin (failover.config.vllm_python).
 
 Only `failover up` runs them (admin commands load the config without touching the machine); every
 problem is reported at once, each naming its key.
@@ -14,6 +15,7 @@ from pathlib import Path
 from cache_daemon import owned
 from cache_daemon.layout import undivided_by_tp
 from failover.config.kv import block_bytes, min_pool_bytes, standby_bytes
+from failover.config import vllm_python
 from failover.config.schema import BatchConfig, Config, ConfigError, ModelConfig
 from failover.procs import memory
 from failover_common import cpus
@@ -39,6 +41,7 @@ def preflight(config: Config) -> None:
             cpus.split(config.router.cpus)
         except ValueError as e:
             problems.append(f"router.cpus: {e}")
+    problems += vllm_python.check(config)
     for i, svc in enumerate(config.service):
         if svc.batch is not None:
             problems += _check_batch_files(f"service[{i}].batch", svc.batch)
