@@ -74,7 +74,11 @@ def install() -> bool:
         skip = getattr(self, "skip_special_tokens", None)
         raw = getattr(self, "tokenizer", None)
         if ids and skip is not None and raw is not None:
-            stream = primed_stream(raw, ids, skip)
+            try:
+                stream = primed_stream(raw, ids, skip)
+            except Exception:  # the fix must never fail a request: vLLM's own stream stays
+                log.warning("failover: priming the detokenizer failed; vLLM's own priming kept", exc_info=True)
+                return
             if stream is not None:
                 self.stream = stream
 
