@@ -56,7 +56,8 @@ def primed_stream(tokenizer, ids: Sequence[int], skip_special_tokens: bool):
 
 def install() -> bool:
     """Wrap vLLM's ``FastIncrementalDetokenizer.__init__`` (once per process). False: this vLLM has
-    no such class, or one whose shape the fix does not know; then nothing is changed."""
+    no such class, and nothing is changed. A detokenizer without the attributes the fix reads
+    (``tokenizer``, ``skip_special_tokens``) keeps vLLM's own stream."""
     try:
         from vllm.v1.engine import detokenizer as mod
     except ImportError:

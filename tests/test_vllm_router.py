@@ -110,9 +110,8 @@ async def _stream(c, chat: bool, prompt: str | None = None, **extra) -> tuple[st
     text, ids, chunks = "", [], []
     async for chunk in s:
         chunks.append(chunk)
-        for ch in chunk.choices:
-            text += (ch.delta.content if chat else ch.text) or ""
-            ids += (ch.model_extra or {}).get("token_ids") or []
+        text += _text_of(chunk, chat)
+        ids += _ids_of(chunk)
     return text, ids, chunks
 
 
