@@ -135,9 +135,10 @@ class VllmServer:
 
 
 class Breaker:
-    """A TCP proxy to ``upstream`` that closes a connection once ``cut_after`` bytes came back
-    through it, ``max_cuts`` times in all (then it passes everything): a primary whose stream breaks
-    mid-way, as a crash does it. ``arm(k)`` instead cuts the next stream right after its k-th SSE
+    """A TCP proxy to ``upstream`` that closes a connection once ``cut_after`` bytes of a streamed
+    response (from its head on) came back through it, ``max_cuts`` times in all (then it passes
+    everything): a primary whose stream breaks mid-way, as a crash does it. Other responses (probes,
+    the router's check of a new vLLM) pass whole. ``arm(k)`` instead cuts the next stream right after its k-th SSE
     event (one stream at a time through the proxy)."""
 
     def __init__(self, upstream_port: int, cut_after: int = 0, max_cuts: int = 1) -> None:
@@ -181,6 +182,8 @@ class Breaker:
             sent, last = 0, b""
             try:
                 while chunk := await src.read(65536):
+                    if response and b"text/event-stream" in chunk:  # a stream's head: count from here
+                        sent, limit = 0, self.cut_after if self.cuts < self.max_cuts else 0
                     cut = self._event_cut(chunk, last) if response and self.cut_events else None
                     if cut is None and limit and sent + len(chunk) >= limit:
                         cut = limit - sent
@@ -198,10 +201,9 @@ class Breaker:
                 for w in (writer, up_w):
                     w.transport.abort()
 
-        limit = self.cut_after if self.cuts < self.max_cuts else 0
         self.tasks |= {asyncio.current_task()}
         try:
-            await asyncio.gather(pipe(reader, up_w, 0), pipe(up_r, writer, limit, response=True))
+            await asyncio.gather(pipe(reader, up_w, 0), pipe(up_r, writer, 0, response=True))
         except asyncio.CancelledError:  # stop(): the test is over
             for w in (writer, up_w):
                 w.transport.abort()
