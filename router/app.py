@@ -57,6 +57,7 @@ class Router:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._stopped = False
+        self._checks: set[asyncio.Task] = set()  # engine kinds' checks of new instances (_on_probe)
         self.port: int | None = None
 
     # -- instances ----------------------------------------------------------------------------
@@ -192,6 +193,13 @@ class Router:
         await self.promoter.settled(self._service(service))
 
     def _on_probe(self, inst: Instance, generation: int, ok: bool, why: str, latency: float) -> None:
+        if ok and not inst.ever_ready and generation == inst.generation and not inst.fenced:
+            check = getattr(self.services[inst.service].adapter, "check", None)
+            if check is not None:  # its engine kind's check, once per registration (vLLM's cut leak)
+                task = asyncio.ensure_future(check(inst))
+                task.set_name(f"check-{inst.name}")
+                self._checks.add(task)
+                task.add_done_callback(self._checks.discard)
         self.promoter.on_probe(inst, generation, ok, why, latency)
 
     def _find(self, name: str) -> Instance | None:
@@ -289,8 +297,11 @@ class Router:
         for svc in self.services.values():
             svc.closing = True
             svc.refresh()
-        # 2. Stop probing, so no verdict fences or promotes anything mid-shutdown.
+        # 2. Stop probing, so no verdict fences or promotes anything mid-shutdown; and checking.
         await self._step("health", self.health.stop())
+        for task in list(self._checks):
+            task.cancel()
+        await asyncio.gather(*self._checks, return_exceptions=True)
         await self.lag.stop()
         if self.cluster is not None:  # and leave the cluster: peers see this router's record go
             await self._step("cluster", self.cluster.stop())

@@ -188,6 +188,7 @@ class Instance:
         self.fenced = False  # never serves again under this registration
         self.generation = 0  # bumped on re-registration: late results of the old one are dropped
         self.probe_latency: float | None = None
+        self.cut_leak: bool | None = None  # vLLM: leaks a prompt cut inside a character (adapters/vllm_check.py)
         self.probe_path = "/ready"  # its engine kind's liveness path (set by Router.add_instance)
         self.last_ok: float | None = None  # monotonic time of the last good response or chunk
         self.inflight = 0
@@ -243,6 +244,7 @@ class Instance:
                 "pid": self.pid, "ready": self.serving_ready, "suspect": self.suspect,
                 "inflight": self.inflight, "fenced": self.fenced,
                 "probe_latency_ms": None if self.probe_latency is None else round(self.probe_latency * 1e3, 2),
+                "cut_leak": self.cut_leak,
                 "last_transition": self.last_transition.as_json()}
 
 

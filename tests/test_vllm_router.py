@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 
 from router.adapters.vllm import VllmStream, why_not
-from router_helpers import counter, running_router, tolerant
+from router_helpers import counter, running_router, tolerant, wait_for
 from vllm_helpers import HAVE_VLLM, Breaker, VllmServer, needs_vllm, vllm_checkpoint
 from failover_common.ports import free_port
 
@@ -89,6 +89,11 @@ async def _router_behind(vllm, breaker: Breaker):
             router.add_instance("tiny", "direct", vllm.url, "standby", engine="vllm")
             c = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=60)
             await _wait_routable(router)
+            # the router's check of each new vLLM (router/adapters/vllm_check.py): over before the
+            # test's streams, so that its verdicts are in and its requests never meet an armed breaker
+            svc = router.services["tiny"]
+            await wait_for(lambda: all(i.ever_ready for i in svc.instances.values()) and not router._checks,
+                           60, "the router's checks of its vLLM instances")
             yield router, c, breaker
             await c.close()
     finally:
@@ -171,6 +176,17 @@ async def test_a_stream_cut_after_any_event_continues_exactly_even_inside_a_char
         if text != want_text or ids:
             wrong.append((k, text, ids))
     assert wrong == [], f"cuts inside a character after events {inside}; wanted {want_text!r}"
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_the_check_finds_that_a_vllm_with_failovers_plugin_does_not_leak_a_cut_prompt(event_router):
+    """router/adapters/vllm_check.py against the fixed vLLM (test_vllm_cut_check.py: a stock one)."""
+    router, _, _ = event_router
+    svc = router.services["tiny"]
+    await wait_for(lambda: all(i.cut_leak is not None for i in svc.instances.values()), 60, "the cut checks")
+    assert {i.name: i.cut_leak for i in svc.instances.values()} == {"cut": False, "direct": False}
 
 
 def _ids_of(chunk) -> list[int]:

@@ -34,6 +34,7 @@ from typing import Any
 
 import msgspec
 
+from router.adapters.vllm_check import check as check_instance
 from router.errors import BackendFailed
 from router.resume import Seen
 
@@ -233,6 +234,7 @@ class VllmAdapter:
 
     name = "vllm"
     probe_path = "/health"
+    check = staticmethod(check_instance)  # once an instance is first ready: does it leak a cut prompt?
 
     def stream(self, payload: dict, path: str) -> VllmStream:
         return VllmStream(payload, path)
