@@ -1,16 +1,17 @@
-"""The router's check of a vLLM for the prompt leak of a stream continued inside a character
-(router/adapters/vllm_check.py), against a real vLLM without failover's plugin: ``VLLM_PLUGINS=""``
-makes vLLM load none, as a stock vLLM runs when an operator puts it behind the standalone router.
-test_vllm_router.py checks the same against a vLLM with the plugin (no leak)."""
+"""A stock vLLM behind the router: its check for the prompt leak of a stream continued inside a
+character (router/adapters/vllm_check.py), and what the router then does at such a cut.
+``VLLM_PLUGINS=""`` makes vLLM load no plugin, so it runs as a stock vLLM does when an operator puts
+it behind the standalone router. test_vllm_router.py has the same vLLM with failover's plugin: no
+leak, and every cut continues exactly."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 import structlog
 
 from failover_common.ports import free_port
-from router_helpers import wait_for
-from test_vllm_router import SPLIT_PROMPT, _ids_of, _router_behind, _stream, _text_of, _undisturbed
+from test_vllm_router import MAX_TOKENS, SPLIT_PROMPT, _ids_of, _router_behind, _stream, _text_of, _undisturbed
 from vllm_helpers import HAVE_VLLM, Breaker, VllmServer, needs_vllm, vllm_checkpoint
 
 
@@ -27,25 +28,43 @@ def stock_vllm(tmp_path_factory):
         server.stop()
 
 
+async def _continuation_text(vllm, prompt_ids: list[int]) -> str:
+    """What vLLM answers the prompt a migration at that cut would send it, asked directly."""
+    c = openai.AsyncOpenAI(base_url=vllm.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    try:
+        out = await c.completions.create(model="tiny", prompt=prompt_ids, max_tokens=MAX_TOKENS, temperature=0)
+        return out.choices[0].text
+    finally:
+        await c.close()
+
+
 @needs_vllm
 @pytest.mark.slow
 @pytest.mark.asyncio
-async def test_the_check_of_a_stock_vllm_says_what_a_stream_migrated_inside_a_character_then_shows(stock_vllm):
+async def test_a_stock_vllm_is_found_leaking_and_a_cut_inside_a_character_ends_in_an_error_not_the_prompt(stock_vllm):
     with structlog.testing.capture_logs() as logs:
         async for router, c, breaker in _router_behind(stock_vllm, Breaker(stock_vllm.port)):
-            svc = router.services["tiny"]
-            await wait_for(lambda: all(i.cut_leak is not None for i in svc.instances.values()), 60, "the cut checks")
             verdicts = {i["name"]: i["cut_leak"] for i in router.status()["services"][0]["instances"]}
-            # what a client then gets: one stream cut right after an event that ends inside a character
-            _, _, chunks = await _undisturbed(stock_vllm, False, SPLIT_PROMPT, extra_body={"return_token_ids": True})
+            want_text, _, chunks = await _undisturbed(stock_vllm, False, SPLIT_PROMPT, extra_body={"return_token_ids": True})
             inside = [k for k, ch in enumerate(chunks, 1) if _ids_of(ch) and not _text_of(ch, False)]
-            assert inside, "no event ends inside a character: the test would show nothing"
-            cuts = breaker.cuts
-            breaker.arm(inside[0])
+            clean = [k for k, ch in enumerate(chunks[:-2], 1) if len(_ids_of(ch)) == 1 and _text_of(ch, False)]
+            assert inside and clean, "the stream has no cut of each kind: the test would show nothing"
+            sent = [i for ch in chunks[:inside[0]] for i in _ids_of(ch)]
+            leaked = SPLIT_PROMPT in await _continuation_text(stock_vllm, chunks[0].choices[0].model_extra["prompt_token_ids"] + sent)
+
+            breaker.arm(inside[0])  # a cut inside a character: an in-band error, and not a byte of the prompt
+            got = ""
+            with pytest.raises(openai.APIError, match="inside a character"):
+                s = await c.completions.create(model="tiny", prompt=SPLIT_PROMPT, max_tokens=MAX_TOKENS,
+                                               temperature=0, stream=True)
+                async for chunk in s:
+                    got += _text_of(chunk, False)
+            assert want_text.startswith(got) and SPLIT_PROMPT not in got
+
+            breaker.arm(clean[0])  # a cut after an event that ended a character: continued exactly
             text, _, _ = await _stream(c, False, SPLIT_PROMPT)
-            assert breaker.cuts == cuts + 1
-    leaked = SPLIT_PROMPT in text
-    assert verdicts == {"cut": leaked, "direct": leaked}, text
+            assert breaker.cuts == 2 and text == want_text
+    assert verdicts == {"cut": leaked, "direct": leaked}
     assert leaked, "a stock vLLM no longer leaks (vllm-project/vllm#48853 fixed?): failover_vllm.detokenizer can go"
     warned = sorted(e["instance"] for e in logs if e["event"] == "vllm_leaks_prompt_on_cut")
     assert warned == ["cut", "direct"]

@@ -52,6 +52,16 @@ def test_a_chat_continuation_is_a_completion_of_the_templated_prompt_and_the_sen
 
 
 # -- against a real vLLM ----------------------------------------------------------------------
+def test_an_event_shows_a_clean_cut_only_when_one_id_brought_its_text():
+    """Seen.clean: where the router may continue a stream on a vLLM whose detokenizer leaks a prompt
+    cut inside a character (router/proxy.py; tests/test_vllm_cut_check.py)."""
+    stream = VllmStream({"model": "tiny", "prompt": "p", "stream": True}, "/v1/completions")
+    event = b'{"choices": [{"index": 0, "text": %s, "token_ids": %s, "finish_reason": null}], "prompt_token_ids": [1]}'
+    cases = {(b'"a"', b"[5]"): True, (b'""', b"[5]"): False, (b'"ab"', b"[5, 6]"): False, (b'""', b"[]"): True}
+    for (text, ids), clean in cases.items():
+        assert stream.inspect(event % (text, ids), "x").clean is clean, (text, ids)
+
+
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory):
     if not HAVE_VLLM:
