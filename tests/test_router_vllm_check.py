@@ -66,3 +66,14 @@ async def test_a_check_that_hangs_is_cancelled_by_the_routers_stop():
         took = time.monotonic() - t0
         assert router._checks == set()
     assert took < 2.0, f"the stop waited {took:.1f} s for the check"
+
+
+def test_failover_status_names_an_instance_whose_vllm_leaks_a_cut_prompt():
+    from failover.cmd.admin import render_table
+
+    inst = {"service": "chat", "role": "standby", "url": "http://127.0.0.1:1", "ready": True}
+    doc = {"services": [{"name": "chat", "instances": [dict(inst, name="a", cut_leak=True),
+                                                       dict(inst, name="b", cut_leak=False),
+                                                       dict(inst, name="c", cut_leak=None)]}]}
+    named = [line.split(":")[0] for line in render_table(doc).splitlines() if "leaks a prompt cut" in line]
+    assert named == ["a"]

@@ -10,6 +10,7 @@ import openai
 import pytest
 import structlog
 
+from failover.cmd.admin import render_table
 from failover_common.ports import free_port
 from test_vllm_router import MAX_TOKENS, SPLIT_PROMPT, _ids_of, _router_behind, _stream, _text_of, _undisturbed
 from vllm_helpers import HAVE_VLLM, Breaker, VllmServer, needs_vllm, vllm_checkpoint
@@ -45,6 +46,7 @@ async def test_a_stock_vllm_is_found_leaking_and_a_cut_inside_a_character_ends_i
     with structlog.testing.capture_logs() as logs:
         async for router, c, breaker in _router_behind(stock_vllm, Breaker(stock_vllm.port)):
             verdicts = {i["name"]: i["cut_leak"] for i in router.status()["services"][0]["instances"]}
+            shown = [line for line in render_table(router.status()).splitlines() if "leaks a prompt cut" in line]
             want_text, _, chunks = await _undisturbed(stock_vllm, False, SPLIT_PROMPT, extra_body={"return_token_ids": True})
             inside = [k for k, ch in enumerate(chunks, 1) if _ids_of(ch) and not _text_of(ch, False)]
             clean = [k for k, ch in enumerate(chunks[:-2], 1) if len(_ids_of(ch)) == 1 and _text_of(ch, False)]
@@ -68,3 +70,4 @@ async def test_a_stock_vllm_is_found_leaking_and_a_cut_inside_a_character_ends_i
     assert leaked, "a stock vLLM no longer leaks (vllm-project/vllm#48853 fixed?): failover_vllm.detokenizer can go"
     warned = sorted(e["instance"] for e in logs if e["event"] == "vllm_leaks_prompt_on_cut")
     assert warned == ["cut", "direct"]
+    assert sorted(line.split(":")[0] for line in shown) == ["cut", "direct"]  # failover status says it too

@@ -126,6 +126,9 @@ def render_table(doc: dict) -> str:
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
     lines = ["  ".join(c.upper().ljust(w) for c, w in zip(cols, widths)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    lines += [f"{i.get('name')}: its vLLM leaks a prompt cut inside a character, so a stream broken inside one "
+              "ends in an error; install failover in that vLLM's environment (docs/vllm.md)"
+              for i in instances(doc) if i.get("cut_leak")]
     for svc in doc.get("services", []) if isinstance(doc.get("services"), list) else []:
         state = svc.get("state") or svc.get("status")
         if state and state not in ("ok", "serving"):
