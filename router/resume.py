@@ -38,11 +38,11 @@ _decode_dict = msgspec.json.Decoder().decode
 class Seen:
     """What one SSE event carries, as far as migration needs."""
 
-    __slots__ = ("ids", "carried", "finished", "migratable", "clean")
+    __slots__ = ("ids", "carried", "finished", "migratable", "clean", "shown")
 
     def __init__(self) -> None:
         self.ids: list[int] = []
-        self.carried = self.finished = False
+        self.carried = self.finished = self.shown = False  # shown: it brought text
         self.migratable = True
         # its ids end where the text so far is whole: one id whose text came with it (a detokenizer
         # emits text only when its window ends outside a character); with several ids, not known
@@ -52,6 +52,8 @@ class Seen:
         """Account one choice of the event: its ids, whether it carried text, its finish_reason."""
         if index != 0:
             self.migratable = False  # n > 1: resuming one choice would not resume the others
+        if text:
+            self.shown = True
         if ids:
             self.ids.extend(ids)
             self.carried = True

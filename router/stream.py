@@ -29,6 +29,7 @@ from collections.abc import Callable
 import msgspec
 from aiohttp import web
 
+from router.cut import CutPoint
 from router.errors import BackendFailed
 from router.forward import MIGRATABLE_PATHS, parse
 from router.sse import data_of, event_data, one_event
@@ -65,7 +66,7 @@ class StreamRelay:
         if adapter is not None and not self.resume.resumable:
             self._can_migrate, self.why_not = False, self.resume.why_not
         self._tokens: list[int] = []  # ids already sent to the client, all segments (``tokens``)
-        self.clean_cut = True  # the ids sent end outside a character, as far as shown (Seen.clean)
+        self.cut = CutPoint()  # where a continuation on a vLLM that leaks a cut prompt may start
         self._held: list[bytes] = []  # reads the lane sent, not yet inspected (``_settle``)
         self.laned = self.parsed = 0  # upstream reads sent by the lane / by the parse (``_feed``)
         self.segment = 0  # 0: the first upstream attempt; >0: a migrated continuation
@@ -323,7 +324,7 @@ class StreamRelay:
 
     def _record(self, s: Seen) -> None:
         self._tokens += s.ids
-        self.clean_cut = s.clean if s.ids else self.clean_cut
+        self.cut.note(s, len(self._tokens))
         self._finished = self._finished or s.finished
         if not s.migratable:
             self._can_migrate = False

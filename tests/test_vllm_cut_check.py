@@ -1,8 +1,8 @@
 """A stock vLLM behind the router: its check for the prompt leak of a stream continued inside a
-character (router/adapters/vllm_check.py), and what the router then does at such a cut.
-``VLLM_PLUGINS=""`` makes vLLM load no plugin, so it runs as a stock vLLM does when an operator puts
-it behind the standalone router. test_vllm_router.py has the same vLLM with failover's plugin: no
-leak, and every cut continues exactly."""
+character (router/adapters/vllm_check.py), and how the router then continues such a stream
+(router/cut.py). ``VLLM_PLUGINS=""`` makes vLLM load no plugin, so it runs as a stock vLLM does when
+an operator puts it behind the standalone router. test_vllm_router.py has the same vLLM with
+failover's plugin: no leak, and every cut continues exactly."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ async def _continuation_text(vllm, prompt_ids: list[int]) -> str:
 @needs_vllm
 @pytest.mark.slow
 @pytest.mark.asyncio
-async def test_a_stock_vllm_is_found_leaking_and_a_cut_inside_a_character_ends_in_an_error_not_the_prompt(stock_vllm):
+async def test_a_stock_vllm_is_found_leaking_and_a_cut_inside_a_character_never_brings_the_prompt(stock_vllm):
     with structlog.testing.capture_logs() as logs:
         async for router, c, breaker in _router_behind(stock_vllm, Breaker(stock_vllm.port)):
             verdicts = {i["name"]: i["cut_leak"] for i in router.status()["services"][0]["instances"]}
@@ -54,18 +54,22 @@ async def test_a_stock_vllm_is_found_leaking_and_a_cut_inside_a_character_ends_i
             sent = [i for ch in chunks[:inside[0]] for i in _ids_of(ch)]
             leaked = SPLIT_PROMPT in await _continuation_text(stock_vllm, chunks[0].choices[0].model_extra["prompt_token_ids"] + sent)
 
-            breaker.arm(inside[0])  # a cut inside a character: an in-band error, and not a byte of the prompt
+            breaker.arm(inside[0])  # a cut inside a character: continued from before its held-back ids
+            text, _, _ = await _stream(c, False, SPLIT_PROMPT)
+            assert breaker.cuts == 1 and text == want_text
+
+            breaker.arm(inside[0])  # the same cut for a client that has the ids: an error, not the prompt
             got = ""
             with pytest.raises(openai.APIError, match="inside a character"):
                 s = await c.completions.create(model="tiny", prompt=SPLIT_PROMPT, max_tokens=MAX_TOKENS,
-                                               temperature=0, stream=True)
+                                               temperature=0, stream=True, extra_body={"return_token_ids": True})
                 async for chunk in s:
                     got += _text_of(chunk, False)
             assert want_text.startswith(got) and SPLIT_PROMPT not in got
 
-            breaker.arm(clean[0])  # a cut after an event that ended a character: continued exactly
+            breaker.arm(clean[0])  # a cut after an event that ended a character: continued as it is
             text, _, _ = await _stream(c, False, SPLIT_PROMPT)
-            assert breaker.cuts == 2 and text == want_text
+            assert breaker.cuts == 3 and text == want_text
     assert verdicts == {"cut": leaked, "direct": leaked}
     assert leaked, "a stock vLLM no longer leaks (vllm-project/vllm#48853 fixed?): failover_vllm.detokenizer can go"
     warned = sorted(e["instance"] for e in logs if e["event"] == "vllm_leaks_prompt_on_cut")

@@ -127,7 +127,7 @@ def render_table(doc: dict) -> str:
     lines = ["  ".join(c.upper().ljust(w) for c, w in zip(cols, widths)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     lines += [f"{i.get('name')}: its vLLM leaks a prompt cut inside a character, so a stream broken inside one "
-              "ends in an error; install failover in that vLLM's environment (docs/vllm.md)"
+              "may end in an error; install failover in that vLLM's environment (docs/vllm.md)"
               for i in instances(doc) if i.get("cut_leak")]
     for svc in doc.get("services", []) if isinstance(doc.get("services"), list) else []:
         state = svc.get("state") or svc.get("status")

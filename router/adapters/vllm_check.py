@@ -78,8 +78,9 @@ async def check(inst) -> None:
     inst.cut_leak = result
     if result:
         log.warning("vllm_leaks_prompt_on_cut", service=inst.service, instance=inst.name, url=inst.url,
-                    hint="this vLLM lacks the fix of vllm-project/vllm#48853: a stream migrated inside a "
-                         "character gets its prompt's text. Install failover in the environment this vLLM "
-                         "runs in (its plugin carries the fix) and restart it")
+                    hint="this vLLM lacks the fix of vllm-project/vllm#48853, so the router continues a "
+                         "stream broken inside a character only from before it, and ends it with an error "
+                         "where it cannot. Install failover in the environment this vLLM runs in (its "
+                         "plugin carries the fix) and restart it")
     elif result is None:
         log.info("vllm_cut_check_inconclusive", service=inst.service, instance=inst.name, url=inst.url)
