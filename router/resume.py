@@ -38,15 +38,18 @@ _decode_dict = msgspec.json.Decoder().decode
 class Seen:
     """What one SSE event carries, as far as migration needs."""
 
-    __slots__ = ("ids", "carried", "finished", "migratable", "clean", "shown")
+    __slots__ = ("ids", "carried", "finished", "migratable", "shown")
 
     def __init__(self) -> None:
         self.ids: list[int] = []
         self.carried = self.finished = self.shown = False  # shown: it brought text
         self.migratable = True
-        # its ids end where the text so far is whole: one id whose text came with it (a detokenizer
-        # emits text only when its window ends outside a character); with several ids, not known
-        self.clean = True
+
+    @property
+    def clean(self) -> bool:
+        """Its ids end where the text so far is whole: one id whose text came with it (a detokenizer
+        emits text only when its window ends outside a character), or no id; with several, not known."""
+        return not self.ids or (len(self.ids) == 1 and self.shown)
 
     def choice(self, index: Any, ids: list[int] | None, text: Any, finished: Any) -> None:
         """Account one choice of the event: its ids, whether it carried text, its finish_reason."""
@@ -57,7 +60,6 @@ class Seen:
         if ids:
             self.ids.extend(ids)
             self.carried = True
-            self.clean = len(ids) == 1 and bool(text)
         elif text:
             if ids is None:
                 self.migratable = False  # this engine does not tell us the ids
