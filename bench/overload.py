@@ -3,6 +3,7 @@
     python3 bench/overload.py                                   # bundled engine, tiny model, CPU
     python3 bench/overload.py --steps 8,64,256 --seconds 20 --max-tokens 96
     .venv-vllm/bin/python bench/overload.py --engine vllm         # vLLM as failover runs it (CPU)
+    python3 bench/overload.py --device cuda                      # the GPU node: cache daemon arena, engines in client mode
 
 One node, ``failover up`` as a real process (bench/chaos_node.py: cache daemon, zygote, primary +
 standby, router), with the router's and the service's liveness settings left at their defaults (what
@@ -67,6 +68,7 @@ class OverloadNode(Node):
     left at their defaults: what an operator's node does when it is overloaded."""
 
     engine = "bundled"
+    device = "cpu"
 
     def write_config(self) -> Path:
         self.router_port = free_port_pair(set())
@@ -79,7 +81,7 @@ class OverloadNode(Node):
 [model]
 path = "{self.model}"
 dtype = "float32"
-device = "cpu"
+device = "{self.device}"
 
 [router]
 port = {self.router_port}
@@ -170,10 +172,10 @@ async def run(a: argparse.Namespace, work: Path) -> int:
     spec = TinySpec(**VLLM_SPEC) if a.engine == "vllm" else TinySpec()
     node = OverloadNode(workdir=work, model=write_checkpoint(work / "model", spec), run_dir=work / "run",
                         log_level="warning")
-    node.engine = a.engine
+    node.engine, node.device = a.engine, a.device
     config = load_config(node.write_config())
     r, svc = config.router, config.service[0]
-    print(f"# engine={a.engine} router: probe_interval={r.probe_interval}s probe_timeout={r.probe_timeout}s "
+    print(f"# engine={a.engine} device={a.device} router: probe_interval={r.probe_interval}s probe_timeout={r.probe_timeout}s "
           f"probe_threshold={r.probe_threshold} hang_probe_timeout={r.hang_probe_timeout}s; service "
           f"max_batch={svc.max_batch}; max_tokens={a.max_tokens} stream_ratio={a.stream_ratio} "
           f"seconds/step={a.seconds}", flush=True)
@@ -213,6 +215,8 @@ async def run(a: argparse.Namespace, work: Path) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=("bundled", "vllm"), default="bundled")
+    p.add_argument("--device", default="cpu", help="the node's model.device: cpu, or cuda (the cache daemon's "
+                   "arena and engines in client mode, as an operator's GPU node runs)")
     p.add_argument("--steps", type=lambda s: [int(x) for x in s.split(",")], default=[4, 16, 64, 128],
                    help="concurrent clients of each step, comma-separated")
     p.add_argument("--seconds", type=float, default=20.0, help="length of each step")
