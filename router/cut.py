@@ -20,32 +20,28 @@ from router.resume import Seen
 
 
 class CutPoint:
-    __slots__ = ("clean_at", "total")
+    __slots__ = ("clean_at",)
 
     def __init__(self) -> None:
         self.clean_at: int | None = 0  # ids sent up to the last clean point (None: text shown past it)
-        self.total = 0  # ids sent
 
     def note(self, s: Seen, total: int) -> None:
         """One event the client got; ``total``: the ids sent, its own included."""
         if s.ids:
-            self.total = total
             if s.clean:
                 self.clean_at = total
             elif s.shown:
                 self.clean_at = None
 
-    @property
-    def clean(self) -> bool:
-        """The ids sent end outside a character, as far as the events showed."""
-        return self.clean_at == self.total
-
     def rewind(self, tokens: list[int], asked: bool) -> bool:
-        """Take the held-back ids after the last clean point out of ``tokens`` (the relay's record of
-        the ids sent), so the continuation starts there and generates them again. False, and nothing
-        changed: text was shown past that point, or the client asked for the ids and has them."""
-        if self.clean_at is None or asked:
+        """Make ``tokens`` (the relay's record of the ids sent) end at the last clean point, so a
+        continuation starts where the client's text is whole: True if they end there already, or once
+        the held-back ids after it are taken out (generated again). False, and nothing changed: text
+        was shown past that point, or the client asked for the ids and has them."""
+        at = self.clean_at
+        if at == len(tokens):
+            return True
+        if at is None or asked:
             return False
-        del tokens[self.clean_at:]
-        self.total = self.clean_at
+        del tokens[at:]
         return True

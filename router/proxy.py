@@ -194,7 +194,7 @@ class Proxy:
             if inst.fenced or service.routable() is not inst:  # switched away while we queued: not a retry
                 inst.gate.leave()
                 continue
-            if (relay is not None and relay.segment and inst.cut_leak and not relay.cut.clean
+            if (relay is not None and relay.segment and inst.cut_leak
                     and not relay.cut.rewind(relay.tokens, getattr(relay.resume, "asked", False))):
                 inst.gate.leave()  # this vLLM would begin the continuation with the prompt's text
                 await relay.fail(f"upstream failed mid-stream inside a character, and {inst.name} would put the "

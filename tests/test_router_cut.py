@@ -25,25 +25,27 @@ def _fed(events: list[tuple[list[int], str]]) -> tuple[CutPoint, list[int]]:
 
 def test_held_back_ids_after_a_clean_event_are_taken_back_for_the_continuation():
     cut, tokens = _fed([([], ""), ([1], "a"), ([2], "b"), ([3], ""), ([4], "")])
-    assert not cut.clean
     assert cut.rewind(tokens, asked=False) and tokens == [1, 2]
-    assert cut.clean  # the continuation starts where the text is whole
-    cut.note(_seen([3], ""), 3)  # generated again, still held back: not clean, and taken back again
+    assert cut.rewind(tokens, asked=True) and tokens == [1, 2]  # the continuation starts where the text is whole
     tokens.append(3)
-    assert not cut.clean and cut.rewind(tokens, asked=False) and tokens == [1, 2]
+    cut.note(_seen([3], ""), 3)  # generated again, still held back: taken back again
+    assert cut.rewind(tokens, asked=False) and tokens == [1, 2]
 
 
 def test_a_cut_right_after_a_clean_event_or_before_any_id_is_clean():
-    assert _fed([([1], "a"), ([2], "b")])[0].clean
-    assert _fed([([], "")])[0].clean
+    for events in ([([1], "a"), ([2], "b")], [([], "")]):
+        cut, tokens = _fed(events)
+        sent = list(tokens)
+        assert cut.rewind(tokens, asked=True) and tokens == sent  # nothing to take back, even ids asked for
     cut, tokens = _fed([([1], ""), ([2], "")])  # the first character not complete yet: back to the prompt
-    assert not cut.clean and cut.rewind(tokens, asked=False) and tokens == []
+    assert not cut.rewind(tokens, asked=True)
+    assert cut.rewind(tokens, asked=False) and tokens == []
 
 
 def test_ids_the_client_has_are_never_taken_back():
     cut, tokens = _fed([([1], "a"), ([2], "")])
     assert not cut.rewind(tokens, asked=True) and tokens == [1, 2]  # it asked for the ids: it has them
     cut, tokens = _fed([([1], "a"), ([2, 3], "bc"), ([4], "")])  # text with several ids: maybe mid-character
-    assert not cut.clean and not cut.rewind(tokens, asked=False) and tokens == [1, 2, 3, 4]
+    assert not cut.rewind(tokens, asked=False) and tokens == [1, 2, 3, 4]
     cut, tokens = _fed([([1], "a"), ([2, 3], "bc"), ([4], "d"), ([5], "")])  # a clean event again
     assert cut.rewind(tokens, asked=False) and tokens == [1, 2, 3, 4]
