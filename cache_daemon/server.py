@@ -32,6 +32,7 @@ from .protocol import (PROTOCOL_VERSION, Error, Evict, Evicted, Fetch, FetchRepl
 from .residents import Registry, Resident
 from .settings import DaemonSettings
 from failover_common.progress import LoadBar
+from failover_common.tasks import Tasks
 
 log = structlog.get_logger(__name__)
 STOP_TIMEOUT_S = 5.0  # per shutdown step
@@ -99,7 +100,7 @@ class Daemon:
         self.load: LoadState | None = None  # the loader's last progress report
         self.exit_code = 0
         self.failure: str | None = None  # why the load failed, for the CLI's one-line error
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = Tasks()
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -136,10 +137,7 @@ class Daemon:
         load.cancel()
         await asyncio.wait([accept, load], timeout=STOP_TIMEOUT_S + 2)
         # 3. Close every client connection; their mappings stay valid without us.
-        for t in list(self._tasks):
-            t.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=STOP_TIMEOUT_S)
+        await self._tasks.stop(timeout=STOP_TIMEOUT_S)
         # 4. Drop our fds: memory is freed once no client maps it any more.
         self.registry.close()
         log.info("daemon_stopped", exit_code=self.exit_code)
@@ -188,9 +186,7 @@ class Daemon:
                 continue
             starved.recovered()
             sock.setblocking(False)
-            task = asyncio.create_task(self._serve(sock))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks.spawn(self._serve(sock), "client")
 
     def _accept_ended(self, task: asyncio.Task) -> None:
         """The accept loop never ends but by cancel: anything else would leave a daemon that looks

@@ -21,6 +21,8 @@ import asyncio
 import structlog
 from aiohttp import web
 
+from failover_common.tasks import Tasks
+
 from router import states
 from router.adapters import adapter_for
 from router.admin import AdminAPI, read_token
@@ -57,7 +59,7 @@ class Router:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._stopped = False
-        self._checks: set[asyncio.Task] = set()  # engine kinds' checks of new instances (_on_probe)
+        self._checks = Tasks()  # engine kinds' checks of new instances (_on_probe)
         self.port: int | None = None
 
     # -- instances ----------------------------------------------------------------------------
@@ -196,10 +198,7 @@ class Router:
         if ok and not inst.ever_ready and generation == inst.generation and not inst.fenced:
             check = getattr(self.services[inst.service].adapter, "check", None)
             if check is not None:  # its engine kind's check, once per registration (vLLM's cut leak)
-                task = asyncio.ensure_future(check(inst))
-                task.set_name(f"check-{inst.name}")
-                self._checks.add(task)
-                task.add_done_callback(self._checks.discard)
+                self._checks.spawn(check(inst), f"check-{inst.name}")
         self.promoter.on_probe(inst, generation, ok, why, latency)
 
     def _find(self, name: str) -> Instance | None:
@@ -299,9 +298,7 @@ class Router:
             svc.refresh()
         # 2. Stop probing, so no verdict fences or promotes anything mid-shutdown; and checking.
         await self._step("health", self.health.stop())
-        for task in list(self._checks):
-            task.cancel()
-        await asyncio.gather(*self._checks, return_exceptions=True)
+        await self._checks.stop()
         await self.lag.stop()
         if self.cluster is not None:  # and leave the cluster: peers see this router's record go
             await self._step("cluster", self.cluster.stop())
@@ -309,12 +306,7 @@ class Router:
         await self._runner.cleanup()
         self._runner = self._site = None
         # 4. Launcher calls in flight (fence, request_standby) get a bounded wait, then cancel.
-        tasks = list(self.promoter.tasks)
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=self.config.shutdown_timeout)
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+        await self.promoter.tasks.stop(grace=self.config.shutdown_timeout)
         # 5. Upstream pools last: nothing uses them any more.
         for svc in self.services.values():
             for inst in svc.instances.values():

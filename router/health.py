@@ -30,6 +30,8 @@ from collections.abc import Callable
 
 import structlog
 
+from failover_common.tasks import Tasks
+
 from router import states
 from router.backend import Instance
 from router.config import RouterConfig
@@ -57,7 +59,7 @@ class HealthMonitor:
         self.lag = lag
         self.on_discount = on_discount
         self._loops: dict[Instance, asyncio.Task] = {}
-        self._probes: set[asyncio.Task] = set()
+        self._probes = Tasks()
         self._pending: dict[Instance, int] = {}
         self._pools: dict[str, Pool] = {}  # per instance URL: the probes' own keep-alive connections
         self._max_pending = math.ceil(config.probe_timeout / config.probe_interval) + 1
@@ -96,10 +98,10 @@ class HealthMonitor:
     async def stop(self) -> None:
         if self.lag.on_tick == self._stall_tick:
             self.lag.on_tick = None
-        tasks = [*self._loops.values(), *self._probes]
-        for t in tasks:
+        loops = list(self._loops.values())
+        for t in loops:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*loops, self._probes.stop(), return_exceptions=True)
         self._loops.clear()
         pools, self._pools = list(self._pools.values()), {}
         for pool in pools:
@@ -120,9 +122,7 @@ class HealthMonitor:
     def _spawn(self, inst: Instance) -> None:
         self._pending[inst] = self._pending.get(inst, 0) + 1
         self._serial += 1
-        task = asyncio.get_running_loop().create_task(self._probe(inst, self._serial), name=f"probe-{inst.name}")
-        self._probes.add(task)
-        task.add_done_callback(self._probes.discard)
+        self._probes.spawn(self._probe(inst, self._serial), f"probe-{inst.name}")
 
     async def _probe(self, inst: Instance, serial: int) -> None:
         generation = inst.generation

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import structlog
 
+from failover_common.tasks import Tasks
+
 from router import states
 from router.backend import Instance, Service
 from router.config import RouterConfig
@@ -64,7 +66,7 @@ class Promoter:
         self.last_failover: dict[str, dict] = {}
         # (service, record) of completed failovers, oldest first
         self.history: collections.deque[tuple[str, dict]] = collections.deque(maxlen=HISTORY)
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks = Tasks()
         # called after every role change as (instance, old role, new role, reason); see Router.watch_roles
         self.role_listeners: list[Callable[[Instance, str, str, str], None]] = []
 
@@ -84,10 +86,7 @@ class Promoter:
                      instance=inst.name, role=inst.role, why=why)
 
     def spawn(self, coro: Awaitable, name: str) -> None:
-        task = asyncio.ensure_future(coro)
-        task.set_name(name)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self.tasks.spawn(coro, name)
 
     # -- verdicts -----------------------------------------------------------------------------
     def on_probe(self, inst: Instance, generation: int, ok: bool, why: str, latency: float) -> None:

@@ -28,6 +28,7 @@ from typing import Protocol
 import structlog
 
 from failover_common.etcd import Etcd, EtcdError, EtcdUnavailable
+from failover_common.tasks import Tasks
 
 log = structlog.get_logger(__name__)
 
@@ -115,7 +116,7 @@ class EtcdRoles:
     reference: dict[str, str] = field(default_factory=dict)  # service -> its primary's fingerprint
     mismatched: dict[str, str] = field(default_factory=dict)  # instance -> why it is never promoted
     _busy: set[str] = field(default_factory=set)
-    _tasks: set[asyncio.Task] = field(default_factory=set)
+    _tasks: Tasks = field(default_factory=Tasks)
 
     decides_locally = False
 
@@ -187,10 +188,7 @@ class EtcdRoles:
         if service in self._busy:
             return  # one claim at a time per service; the next verdict tries again
         self._busy.add(service)
-        task = asyncio.ensure_future(self._claim(service, new, reason, failed))
-        task.set_name(f"claim-{service}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._claim(service, new, reason, failed), f"claim-{service}")
 
     async def claim_planned(self, service: str, new: str, reason: str = "planned") -> bool:
         """An operator's switchover (``reason`` in PLANNED): replace the holder even though it is
@@ -247,9 +245,7 @@ class EtcdRoles:
             self._busy.discard(service)
 
     async def stop(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.stop()
 
     def as_json(self) -> dict:
         return {"holders": {s: {"instance": h.instance, "revision": h.revision, "by": h.by, "at": h.at}

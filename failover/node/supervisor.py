@@ -46,6 +46,7 @@ from failover.procs.liveness import Watchdog
 from failover.procs.restart import CrashLoop, RestartPolicy
 from failover_common import cpus
 from failover_common.proc import become_subreaper
+from failover_common.tasks import Tasks
 from router import states
 from router.errors import AdminError
 
@@ -97,7 +98,7 @@ class Supervisor:
         self.stopping = False
         self.serving = False  # set once the first start() is through: from then on exits are healed
         self.started_at = time.monotonic()
-        self._bg: set[asyncio.Task] = set()
+        self._bg = Tasks()
         self.placement: dict[str, str] | None = None  # router.cpus: the router's CPUs and the engines'
 
     # -- start -----------------------------------------------------------------------------------
@@ -277,10 +278,7 @@ class Supervisor:
         self.background(self._start_zygote(), "zygote-restart")
 
     def background(self, coro, name: str) -> None:
-        task = asyncio.ensure_future(coro)
-        task.set_name(name)
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
+        self._bg.spawn(coro, name)
 
     # -- what the router asks (through NodeLauncher) ---------------------------------------------
     def is_batch(self, service: str) -> bool:
@@ -370,10 +368,10 @@ class Supervisor:
         if self.cluster is not None:  # 0. leave the cluster: its peers fail this node's primary over now
             await self.cluster.leave()
         # 1. No more replacements or restarts.
-        tasks = [*(s.task for s in self.slots.values() if s.task is not None), *self._bg]
+        tasks = [s.task for s in self.slots.values() if s.task is not None]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, self._bg.stop(), return_exceptions=True)
         await self.pools.stop()
         self.coserve.close()  # the batch runners are stopped: their result files
         # 2. The router stops taking requests and lets in-flight ones finish (its shutdown_timeout).

@@ -30,6 +30,7 @@ from pathlib import Path
 import structlog
 
 from failover.procs.child import Child, ChildFailed, spawn
+from failover_common.tasks import Tasks
 from router.roles import cluster_prefix
 from router.share_store import ShareServer, ShareStore
 
@@ -54,7 +55,7 @@ class RouterPool:
         self.given_up: set[int] = set()
         self.failed = asyncio.Event()  # every worker given up: the pool cannot serve
         self.stopping = False
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = Tasks()
 
     # -- the records the workers follow ---------------------------------------------------------
     def put_instance(self, service: str, name: str, url: str, *, pid: int | None = None,
@@ -136,9 +137,7 @@ class RouterPool:
         delay = min(5.0, 0.1 * 2 ** (len(deaths) - 1))
         log.warning("router_worker_died", worker=k, pid=child.pid, returncode=child.returncode,
                     restart_in_s=delay, consequence="its connections dropped; the other workers keep serving")
-        task = asyncio.ensure_future(self._respawn(k, delay))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._respawn(k, delay), f"respawn-worker-{k}")
 
     async def _respawn(self, k: int, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -150,9 +149,7 @@ class RouterPool:
         """Workers first (SIGTERM: each stops listening, lets its requests finish, leaves the
         store), SIGKILL past ``stop_timeout``; then the store, its socket and directory."""
         self.stopping = True
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.stop()
         await asyncio.gather(*(c.stop(self.stop_timeout) for c in self.children.values()))
         for c in self.children.values():
             c.close()
