@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engines import EngineProc, free_port  # noqa: E402
 from client_figures import fault_figures, line as client_line, stall_span, summarize  # noqa: E402
 from cpu_share import CpuSampler  # noqa: E402
+from failover_common.tasks import Tasks  # noqa: E402
 import timeline_png  # noqa: E402
 from loadgen import Load, percentile, summary  # noqa: E402
 
@@ -74,6 +75,7 @@ class BenchLauncher:
         self.router = None
         self.engines: dict[str, EngineProc] = {}
         self.replacements: list[float] = []  # when each replacement standby's start began (monotonic)
+        self.pending = Tasks()  # replacements not ready yet
 
     def start(self) -> EngineProc:
         e = EngineProc(self.model, log_dir=self.logs)
@@ -98,7 +100,10 @@ class BenchLauncher:
         # --replace-delay keeps that cost out of the failover window, to see the router's own part.
         await asyncio.sleep(self.replace_delay)
         self.replacements.append(time.monotonic())
-        e = self.start()
+        e = self.start()  # registered once ready, by a task: this call is bounded by fence_timeout
+        self.pending.spawn(self._register_when_ready(e), f"standby-e{e.port}")
+
+    async def _register_when_ready(self, e: EngineProc) -> None:
         await e.wait_ready()
         self.register(e, "standby")
 
@@ -183,6 +188,7 @@ async def fault_phase(model: Path, logs: Path, args: argparse.Namespace, sig: in
                                title=f"bench/failover.py: {signal.Signals(sig).name} of the primary")
             print(f"  timeline: {png}", flush=True)
     finally:
+        await launcher.pending.stop()
         await router.stop()
         launcher.stop_all()
     blackout = [r["blackout_ms"] / 1e3 for r in records]

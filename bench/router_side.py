@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engines import EngineProc, free_port  # noqa: E402
 from failover.procs import priority  # noqa: E402
 from failover_common import cpus  # noqa: E402
+from failover_common.tasks import Tasks  # noqa: E402
 
 
 async def replacement(e: EngineProc, nice: int) -> None:
@@ -46,10 +47,20 @@ async def start_router(model: Path, logs: Path, port: int, token: Path, nice: in
     engines: dict[str, EngineProc] = {}
 
     class BenchLauncher:
+        """request_standby starts the engine and returns, as the launcher contract asks (router/launcher.py):
+        the call is bounded by fence_timeout, and an engine's start can take longer (a cold machine's
+        torch import). It is registered once ready, by a task of its own."""
+
+        def __init__(self) -> None:
+            self.pending = Tasks()
+
         async def request_standby(self, service: str) -> None:
             e = EngineProc(model, log_dir=logs)
             name = f"e{e.port}"
             engines[name] = e
+            self.pending.spawn(self._register_when_ready(service, name, e), f"standby-{name}")
+
+        async def _register_when_ready(self, service: str, name: str, e: EngineProc) -> None:
             await replacement(e, nice)
             router.add_instance(service, name, e.url, "standby", e.pid)
 
@@ -115,6 +126,7 @@ SETTLE_S = 0.25
 
 
 async def stop_router(router, engines: dict) -> None:
+    await router.launcher.pending.stop()
     await router.stop()
     for e in engines.values():
         e.kill()
