@@ -7,7 +7,8 @@ The router runs in a process of its own (as HAProxy does, and as in production),
 it launches; `--in-process` puts it on the bench's own event loop instead, as before issue 20, where
 the load generator's work and the router's serialise on one core. One router phase per `--loop`.
 
-HAProxy comes from the distribution (`apt-get install haproxy`); this script installs nothing. It is
+HAProxy comes from the distribution (`apt-get install haproxy`), or from another machine packed by
+bench/haproxy_carry.sh (its binary and libraries, on PATH there); this script installs nothing. It is
 configured as aggressively as it allows: primary as a normal server, standby as `backup`,
 `check inter 100ms fall 1 rise 1`, `observe layer4 error-limit 1 on-error mark-down`, `retries 3`,
 `option redispatch`, `retry-on all-retryable-errors`. In both phases a killed engine is replaced by a
@@ -404,7 +405,8 @@ async def main_async(args) -> int:
     configure_logging("warning", process="vs-haproxy")
 
     if shutil.which("haproxy") is None:
-        print("haproxy not found: install it from your distribution (e.g. apt-get install haproxy)", file=sys.stderr)
+        print("haproxy not found: install it from your distribution (e.g. apt-get install haproxy), or carry one "
+              "packed by bench/haproxy_carry.sh and put its bin/ on PATH", file=sys.stderr)
         return 2
     loops = args.loop or ["auto"]
     if args.keep_logs is not None:  # the engines', HAProxy's and the token's files stay there
