@@ -323,15 +323,18 @@ async def phase_haproxy(model: Path, args, logs: Path) -> dict:
         models = {"models_direct_rps": round(await closed_loop(servers["primary"].url + "/v1/models", 16, args.models_s)),
                   "models_rps": round(await closed_loop(url + "/v1/models", 16, args.models_s))}
 
-        starting: set[asyncio.Task] = set()
+        starting: list[asyncio.Task] = []  # the last kill's replacement
 
         async def kill_primary() -> float:
+            # as in the router phase: the last kill's replacement serves again before the next kill,
+            # so each kill is of a serving primary with a ready backup, even where an engine's start
+            # outlasts --interval (a fresh 16-core GPU machine: over 8 s)
+            if starting:
+                await starting.pop()
             t = time.monotonic()
             servers["primary"].kill()
             servers["primary"] = e = EngineProc(model, p1, log_dir=logs)  # back on the port HAProxy knows
-            task = asyncio.create_task(replacement(e, args.nice_replacement))
-            starting.add(task)
-            task.add_done_callback(starting.discard)
+            starting.append(asyncio.create_task(replacement(e, args.nice_replacement)))
             return t
 
         load = Load(url, seed=args.seed)
@@ -339,6 +342,9 @@ async def phase_haproxy(model: Path, args, logs: Path) -> dict:
             await load.learn_expected(s)
         result = await drive(load, args.kills, args.interval, args.concurrency, kill_primary, hap.pid)
     finally:
+        for task in starting:
+            task.cancel()
+        await asyncio.gather(*starting, return_exceptions=True)
         stop_haproxy(hap)
         for e in servers.values():
             e.kill()
