@@ -19,7 +19,9 @@ class Launcher(Protocol):
     async def request_standby(self, service: str) -> None:
         """A standby of ``service`` was used up (promoted, or it died): start a replacement.
 
-        The launcher registers it when it is ready with ``Router.register(service, name, url,
+        Return once the start is under way, not when it is ready: the call is bounded by
+        ``fence_timeout`` (an engine's start can take longer) and cancelled past it. The launcher
+        registers the new engine when it is ready with ``Router.register(service, name, url,
         "standby", pid)``, under a new name or under the failed instance's name (which is then
         re-registered: its role goes relaunching -> standby). A launcher that relaunches on the
         fenced process's exit anyway (the node's, through its restart policy) does nothing here.
