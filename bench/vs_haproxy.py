@@ -312,8 +312,13 @@ def breakdown(records: list[dict], faults: list[float]) -> str:
 
 async def phase_haproxy(model: Path, args, logs: Path) -> dict:
     p1, p2 = free_port(), free_port()
+    t0 = time.monotonic()
     servers = {"primary": EngineProc(model, p1, log_dir=logs), "standby": EngineProc(model, p2, log_dir=logs)}
     await asyncio.gather(*(e.wait_ready() for e in servers.values()))
+    started = time.monotonic() - t0
+    print(f"# HAProxy phase: its two engines started in {started:.1f} s"
+          + (f"; --interval {args.interval:g} s is not longer: each kill waits for the last one's replacement"
+             if started >= args.interval else ""), flush=True)
     hap, url = start_haproxy(logs, p1, p2, args.proxy_cpu_set)
     try:
         await asyncio.sleep(1.0)
