@@ -98,7 +98,7 @@ async def start_pool(model: Path, logs: Path, port: int, token: Path, nice: int,
         pool.put_instance("default", f"e{e.port}", e.url, pid=e.pid)
     pool.seed_primary("default", f"e{first[0].port}")
     current = {"default": f"e{first[0].port}"}
-    tasks: set[asyncio.Task] = set()
+    tasks = Tasks()
 
     async def replace(service: str) -> None:
         await asyncio.sleep(SETTLE_S)
@@ -113,9 +113,7 @@ async def start_pool(model: Path, logs: Path, port: int, token: Path, nice: int,
             return
         engines[old].kill()  # the fence: every worker follows the key, none routes to it again
         pool.remove_instance(service, old)
-        t = asyncio.ensure_future(replace(service))
-        tasks.add(t)
-        t.add_done_callback(tasks.discard)
+        tasks.spawn(replace(service), f"replace-{old}")
 
     pool.on_primary(moved)
     await pool.start()
@@ -147,8 +145,7 @@ async def router_child(args) -> int:
                                                 args.log_level)
         print(f"ready {os.getpid()} {' '.join(map(str, pool.pids()))}", flush=True)
         await stop.wait()
-        for t in list(tasks):
-            t.cancel()
+        await tasks.stop()
         await pool.stop()
         for e in engines.values():
             e.kill()
