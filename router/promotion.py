@@ -228,7 +228,8 @@ class Promoter:
             async with asyncio.timeout(self.config.fence_timeout):
                 await coro
         except TimeoutError:
-            log.error("launcher_timeout", action=action, target=target, timeout_s=self.config.fence_timeout)
+            log.error("launcher_timeout", action=action, target=target, timeout_s=self.config.fence_timeout,
+                      hint="a launcher call returns once its action is under way (router/launcher.py)")
         except Exception as exc:  # noqa: BLE001 - a launcher bug must not take the router down
             log.error("launcher_failed", action=action, target=target, error=repr(exc))
 
