@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from hostinfo import cpu_model  # noqa: E402
 from failover.tools.tiny_model import TinySpec, hf_config, tensor_shapes  # noqa: E402
 
 FILE_BYTES = 2 << 30  # bytes per safetensors file
@@ -164,8 +165,7 @@ def disk_load(model: Path, dtype: str, device: str, cold: bool) -> tuple[float, 
 
 
 def machine(device: str) -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = cpu_model()
     out = f"{platform.node()} | {os.cpu_count()} cores {cpu} | python {platform.python_version()}"
     import torch
 

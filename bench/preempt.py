@@ -41,6 +41,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from hostinfo import cpu_model  # noqa: E402
 from failover_common.logs import configure_logging  # noqa: E402
 from failover.config.schema import BatchConfig, parse_config  # noqa: E402
 from failover.cmd.demo import free_port_pair  # noqa: E402
@@ -48,7 +49,7 @@ from failover.cmd.demo import free_port_pair  # noqa: E402
 
 def machine() -> str:
     """Without torch.cuda: the bench process runs the supervisor, which must not hold a CUDA context."""
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    cpu = cpu_model()
     gpu = "none"
     if shutil.which("nvidia-smi"):
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],

@@ -46,6 +46,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import hostinfo  # noqa: E402
 from engines import EngineProc, free_port, on_cpus  # noqa: E402
 from client_figures import line as client_line  # noqa: E402
 from loadgen import Load, closed_loop, percentile, summary  # noqa: E402
@@ -434,7 +435,7 @@ async def main_async(args) -> int:
             return 0
         version = subprocess.run(["haproxy", "-v"], capture_output=True, text=True).stdout.split("\n")[0]
         where = "in the bench's process" if args.in_process else "own process"
-        print(f"# vs_haproxy  {date.today()}  {platform.node()}  {platform.processor() or platform.machine()}"
+        print(f"# vs_haproxy  {date.today()}  {platform.node()}  {hostinfo.cpus()}"
               f"  kills={args.kills} interval={args.interval}s concurrency={args.concurrency}  {version}"
               f"  router: {where}, loops {[evloop.name(k) for k in loops]} workers {args.router_workers}"
               f"  nice-replacement={args.nice_replacement} engine-threads={args.engine_threads or 'torch default'}"
