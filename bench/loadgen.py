@@ -17,7 +17,7 @@ import aiohttp
 
 from client_figures import fault_figures, percentile, requests_summary, summarize
 
-__all__ = ["PROMPTS", "Load", "Outcome", "closed_loop", "percentile", "summary"]
+__all__ = ["CALM_S", "PROMPTS", "Load", "Outcome", "closed_loop", "percentile", "summary", "tail"]
 
 PROMPTS = [
     "The quick brown fox", "A hot standby takes over", "Weights stay resident", "Hello, world!",
@@ -143,12 +143,35 @@ def summary(outcomes: list[Outcome], faults: list[float], elapsed: float) -> dic
     calm = [o.end - o.start for o in outcomes if o.ok and not any(o.end > f and o.start < f + CALM_S for f in faults)]
     figures = summarize(fault_figures(outcomes, faults))
     return requests_summary(outcomes) | {
-        "failed_by_cause": causes,
+        "failed_by_cause": causes, "tail": tail(outcomes, faults),
         "rps": round(len(outcomes) / elapsed, 1) if elapsed else 0.0,
         "latency_p50_ms": round(percentile(lat, 50) * 1e3, 1), "latency_p99_ms": round(percentile(lat, 99) * 1e3, 1),
         "latency_p99_calm_ms": round(percentile(calm, 99) * 1e3, 1) if calm else None,
         "blackout_p50_ms": figures["first_token_ms"]["p50"], "blackout_p99_ms": figures["first_token_ms"]["p99"],
         "client": figures, "mean_latency_ms": round(statistics.fmean(lat) * 1e3, 1) if lat else None,
+    }
+
+
+def tail(outcomes: list[Outcome], faults: list[float]) -> dict:
+    """Who the slowest 1 % of the answered requests were: how many overlapped the CALM_S after a
+    fault, how many were streams, and the slowest one's place (ms after the last fault it began
+    after, None: before the first), so a p99 read off one run says what made it."""
+    ok = sorted((o for o in outcomes if o.ok), key=lambda o: o.end - o.start, reverse=True)
+    slow = ok[:max(1, len(ok) // 100)] if ok else []
+    if not slow:
+        return {}
+
+    def after_fault(o: Outcome) -> float | None:
+        before = [f for f in faults if f <= o.start]
+        return round((o.start - before[-1]) * 1e3, 1) if before else None
+
+    worst = slow[0]
+    return {
+        "n": len(slow), "from_ms": round((slow[-1].end - slow[-1].start) * 1e3, 1),
+        "near_fault": sum(any(o.end > f and o.start < f + CALM_S for f in faults) for o in slow),
+        "streams": sum(o.stream for o in slow),
+        "worst": {"ms": round((worst.end - worst.start) * 1e3, 1), "began_after_fault_ms": after_fault(worst),
+                  "stream": worst.stream, "instance": worst.instance},
     }
 
 

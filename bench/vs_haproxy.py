@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hostinfo  # noqa: E402
 from engines import EngineProc, free_port, on_cpus  # noqa: E402
 from client_figures import line as client_line  # noqa: E402
-from loadgen import Load, closed_loop, percentile, summary  # noqa: E402
+from loadgen import CALM_S, Load, closed_loop, percentile, summary  # noqa: E402
 from router_side import RouterSide, replacement  # noqa: E402
 from failover.config.argv import share  # noqa: E402
 from failover.config.schema import SupervisorConfig  # noqa: E402
@@ -407,6 +407,8 @@ def print_report(ours: dict[str, dict], theirs: dict) -> None:
         print(f"failed_by_cause router ({loop}):", json.dumps(r["failed_by_cause"]), " longest stall:", json.dumps(r["stall"]))
     print(client_line("haproxy", theirs["client"]))
     print("failed_by_cause haproxy:", json.dumps(theirs["failed_by_cause"]), " longest stall:", json.dumps(theirs["stall"]))
+    for name, r in [(f"router ({loop})", r) for loop, r in ours.items()] + [("haproxy", theirs)]:
+        print(f"slowest 1 % {name} (near_fault: within {CALM_S:.0f} s after a kill):", json.dumps(r.get("tail", {})))
 
 
 async def main_async(args) -> int:
