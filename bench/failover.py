@@ -44,7 +44,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hostinfo import cpu_model  # noqa: E402
+from hostinfo import cpus  # noqa: E402
 from engines import EngineProc, free_port  # noqa: E402
 from client_figures import fault_figures, line as client_line, stall_span, summarize  # noqa: E402
 from cpu_share import CpuSampler  # noqa: E402
@@ -58,8 +58,7 @@ SERVICE = "default"
 def machine() -> str:
     import torch
 
-    cpu = cpu_model()
-    return (f"host={platform.node()} cpu=\"{cpu}\" cores={os.cpu_count()} python={platform.python_version()} "
+    return (f"host={platform.node()} {cpus()} python={platform.python_version()} "
             f"torch={torch.__version__} kernel={platform.release()}")
 
 

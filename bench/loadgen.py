@@ -132,6 +132,11 @@ class Load:
 CALM_S = 2.0  # after a fault: the failover, the migrated streams' re-prefill, the replacement's start
 
 
+def near_fault(o: Outcome, faults: list[float]) -> bool:
+    """Whether ``o`` overlapped the CALM_S after a fault."""
+    return any(o.end > f and o.start < f + CALM_S for f in faults)
+
+
 def summary(outcomes: list[Outcome], faults: list[float], elapsed: float) -> dict:
     """Whole-run counts and latency, and the client-seen figures around each fault (client_figures)."""
     failed = [o for o in outcomes if not o.ok]
@@ -140,7 +145,7 @@ def summary(outcomes: list[Outcome], faults: list[float], elapsed: float) -> dic
         causes[o.error] = causes.get(o.error, 0) + 1
     lat = [o.end - o.start for o in outcomes if o.ok]
     # the same, less every request that overlaps [fault, fault + CALM_S]: how much of the tail the faults are
-    calm = [o.end - o.start for o in outcomes if o.ok and not any(o.end > f and o.start < f + CALM_S for f in faults)]
+    calm = [o.end - o.start for o in outcomes if o.ok and not near_fault(o, faults)]
     figures = summarize(fault_figures(outcomes, faults))
     return requests_summary(outcomes) | {
         "failed_by_cause": causes, "tail": tail(outcomes, faults),
@@ -157,9 +162,9 @@ def tail(outcomes: list[Outcome], faults: list[float]) -> dict:
     fault, how many were streams, and the slowest one's place (ms after the last fault it began
     after, None: before the first), so a p99 read off one run says what made it."""
     ok = sorted((o for o in outcomes if o.ok), key=lambda o: o.end - o.start, reverse=True)
-    slow = ok[:max(1, len(ok) // 100)] if ok else []
-    if not slow:
+    if not ok:
         return {}
+    slow = ok[:max(1, len(ok) // 100)]
 
     def after_fault(o: Outcome) -> float | None:
         before = [f for f in faults if f <= o.start]
@@ -168,7 +173,7 @@ def tail(outcomes: list[Outcome], faults: list[float]) -> dict:
     worst = slow[0]
     return {
         "n": len(slow), "from_ms": round((slow[-1].end - slow[-1].start) * 1e3, 1),
-        "near_fault": sum(any(o.end > f and o.start < f + CALM_S for f in faults) for o in slow),
+        "near_fault": sum(near_fault(o, faults) for o in slow),
         "streams": sum(o.stream for o in slow),
         "worst": {"ms": round((worst.end - worst.start) * 1e3, 1), "began_after_fault_ms": after_fault(worst),
                   "stream": worst.stream, "instance": worst.instance},

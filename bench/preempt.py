@@ -41,7 +41,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hostinfo import cpu_model  # noqa: E402
+from hostinfo import cpus  # noqa: E402
 from failover_common.logs import configure_logging  # noqa: E402
 from failover.config.schema import BatchConfig, parse_config  # noqa: E402
 from failover.cmd.demo import free_port_pair  # noqa: E402
@@ -49,7 +49,6 @@ from failover.cmd.demo import free_port_pair  # noqa: E402
 
 def machine() -> str:
     """Without torch.cuda: the bench process runs the supervisor, which must not hold a CUDA context."""
-    cpu = cpu_model()
     gpu = "none"
     if shutil.which("nvidia-smi"):
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
@@ -57,7 +56,7 @@ def machine() -> str:
         gpu = f"{out[0]} (x{len(out)})" if out else "none"
     import torch
 
-    return (f"host={platform.node()} cpu=\"{cpu}\" cores={os.cpu_count()} gpu=\"{gpu}\" "
+    return (f"host={platform.node()} {cpus()} gpu=\"{gpu}\" "
             f"python={platform.python_version()} torch={torch.__version__} kernel={platform.release()} "
             f"loadavg={' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 

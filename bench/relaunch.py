@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hostinfo import cpu_model  # noqa: E402
+from hostinfo import cpus  # noqa: E402
 from failover_common.logs import configure_logging  # noqa: E402
 from failover.config.schema import parse_config  # noqa: E402
 from failover.cmd.demo import free_port_pair  # noqa: E402
@@ -36,9 +36,8 @@ from failover.cmd.demo import free_port_pair  # noqa: E402
 def machine() -> str:
     import torch
 
-    cpu = cpu_model()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return (f"host={platform.node()} cpu=\"{cpu}\" cores={os.cpu_count()} gpu=\"{gpu}\" "
+    return (f"host={platform.node()} {cpus()} gpu=\"{gpu}\" "
             f"python={platform.python_version()} torch={torch.__version__} kernel={platform.release()} "
             f"loadavg={' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
