@@ -24,11 +24,12 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed import init_group, spawn_workers, stop_workers
 from engine.llm_engine import LLMEngine
-from engine.metrics import EngineMetrics
+from engine.metrics import PREFIX, EngineMetrics
 from engine.model_runner import ModelRunner
 from engine.protocol import ServingContext
 from engine.server import EngineServer
 from engine.weights import LoadedWeights, load_weights
+from failover_common import gc_pauses
 
 log = structlog.get_logger(__name__)
 
@@ -79,6 +80,7 @@ async def serve(cfg: EngineConfig, model_cfg: ModelConfig, argv: list[str],
         stop.set()
 
     metrics = EngineMetrics(cfg.model_name)
+    pauses = gc_pauses.watch(metrics.registry, PREFIX, loop, log, install=False)  # once ready (below)
     keep: dict = {}
     engine = AsyncEngine(lambda: build_engine(cfg, model_cfg, keep, started_perf), on_step=metrics.set_queue,
                          on_fatal=lambda e: loop.call_soon(fail, f"the engine failed: {e}"),
@@ -98,7 +100,7 @@ async def serve(cfg: EngineConfig, model_cfg: ModelConfig, argv: list[str],
         loop.add_signal_handler(sig, stop.set)
     workers = spawn_workers(argv, cfg) if cfg.tp > 1 else []
     engine.start()
-    ready_task = asyncio.create_task(_await_ready(cfg, engine, server, keep, started, fail))
+    ready_task = asyncio.create_task(_await_ready(cfg, engine, server, keep, started, fail, pauses))
     watch_task = asyncio.create_task(_watch_workers(workers, fail))
     await stop.wait()
     watch_task.cancel()
@@ -109,6 +111,7 @@ async def serve(cfg: EngineConfig, model_cfg: ModelConfig, argv: list[str],
     await runner.cleanup()  # 3
     await loop.run_in_executor(None, engine.stop)  # 4
     stop_workers(workers)
+    pauses.remove()
     log.info("stopped", code=outcome["code"])
     return outcome["code"]
 
@@ -123,7 +126,8 @@ async def _watch_workers(workers, fail) -> None:
         await asyncio.sleep(0.2)
 
 
-async def _await_ready(cfg, engine: AsyncEngine, server: EngineServer, keep: dict, started: float, fail) -> None:
+async def _await_ready(cfg, engine: AsyncEngine, server: EngineServer, keep: dict, started: float, fail,
+                       pauses: gc_pauses.GcPauses) -> None:
     try:
         built = await engine.wait_ready()
     except Exception as e:  # noqa: BLE001 - any build failure ends the process with its reason
@@ -132,9 +136,12 @@ async def _await_ready(cfg, engine: AsyncEngine, server: EngineServer, keep: dic
         return
     weights = keep["weights"]
     ctx = ServingContext(cfg.model_name, built.tokenizer, built.max_len, built.runner.model_cfg.vocab_size)
+    frozen = gc_pauses.freeze()  # before the first request: what start built is never walked again
+    pauses.install()  # every collection from now on is a pause of serving
     server.set_ready(ctx, {
         "model": cfg.model_name, "weights_source": weights.source, "weights_seconds": round(weights.seconds, 4),
         "startup_seconds": round(time.monotonic() - started, 3), "max_model_len": built.max_len, "tp": cfg.tp,
         "device": cfg.device, "dtype": cfg.dtype, "pid": os.getpid(), "cpu_threads": torch.get_num_threads(),
+        "gc_frozen_objects": frozen,
     })
     server.metrics.weights_seconds.labels(cfg.model_name, weights.source).set(weights.seconds)

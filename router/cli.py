@@ -24,7 +24,7 @@ from pathlib import Path
 
 import structlog
 
-from failover_common import cpus
+from failover_common import cpus, gc_pauses
 from failover_common.etcd import Etcd
 from failover_common.k8s_store import KubeStore, in_cluster_defaults
 from failover_common.logs import configure_logging
@@ -248,6 +248,8 @@ async def _serve(config: RouterConfig, args: argparse.Namespace) -> int:
         view.extra |= {"worker": args.worker_id, "metrics_url": await metrics.start()}
         router.all_metrics = metrics.all
     await router.start()
+    gc_pauses.freeze()  # what start built is never walked again (failover_common/gc_pauses.py)
+    pauses = gc_pauses.watch(router.metrics.registry, "failover_router_", loop, log)
     if view is not None:
         view.url = args.advertise or router.url
         view.start()
@@ -255,6 +257,7 @@ async def _serve(config: RouterConfig, args: argparse.Namespace) -> int:
     await stop.wait()
     log.info("router_stopping")
     await router.stop()
+    pauses.remove()
     if metrics is not None:
         await metrics.stop()
     if etcd is not None:

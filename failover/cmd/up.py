@@ -15,6 +15,7 @@ from pathlib import Path
 
 import structlog
 
+from failover_common import gc_pauses
 from failover_common.logs import configure_logging
 from failover.config.preflight import preflight
 from failover.config.schema import ConfigError, load_config
@@ -50,8 +51,12 @@ async def serve(config, progress) -> int:
     try:
         await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if starting.done() and starting.exception() is None:
+            # the router runs in this process: its collections timed, what start built frozen
+            gc_pauses.freeze()
+            pauses = gc_pauses.watch(supervisor.router.metrics.registry, "failover_router_", loop, log)
             progress("ready; Ctrl-C stops the node")
             await stopper
+            pauses.remove()
             progress("shutting down")
         elif starting.done():
             err = starting.exception()
