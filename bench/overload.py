@@ -157,6 +157,25 @@ async def step(node: OverloadNode, s: aiohttp.ClientSession, base: Load, concurr
     }
 
 
+def log_events(text: str) -> dict:
+    """From the node's log: the collector's slow pauses (``gc_pause``, failover_common/gc_pauses.py)
+    by process, with the longest, and the router's hang verdicts."""
+    pauses: dict[str, list[float]] = {}
+    hangs = 0
+    for line in text.splitlines():
+        if '"gc_pause"' not in line and '"hang_detected"' not in line:
+            continue
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if ev.get("event") == "gc_pause":
+            pauses.setdefault(f"{ev.get('process')} gen{ev.get('generation')}", []).append(ev["ms"])
+        elif ev.get("event") == "hang_detected":
+            hangs += 1
+    return {"hang_detected": hangs, "gc_pauses_over_20ms": {k: {"n": len(v), "max_ms": max(v)} for k, v in sorted(pauses.items())}}
+
+
 def report(r: dict) -> str:
     fo = ", ".join(f"{k} {v}" for k, v in sorted(r["failovers"].items())) or "0"
     return (f"| {r['concurrency']} | {r['requests']} | {r['rps']:.1f} | {r['tokens_s']:.0f} | "
@@ -206,6 +225,7 @@ async def run(a: argparse.Namespace, work: Path) -> int:
         if code is None:
             node.kill()
     print(f"# node stopped: exit {code} in {node.shutdown_s:.1f} s (the tail of its log follows on any failure)")
+    print(f"# the node's own records: {json.dumps(log_events((work / 'node.log').read_text()))}")
     print(f"false_failovers_restarts_or_client_failures={bad}")
     if bad or code != 0:
         sys.stdout.write((work / "node.log").read_text()[-4000:])

@@ -152,6 +152,9 @@ async def router_child(args) -> int:
         return 0
     router, engines = await start_router(Path(args.model), Path(args.logs), args.port, Path(args.token),
                                          args.nice_replacement)
+    from failover_common import gc_pauses
+
+    gc_pauses.freeze()  # as `failover router` and `failover up` do once started
     print(f"ready {os.getpid()}", flush=True)
     await stop.wait()
     await stop_router(router, engines)
