@@ -12,7 +12,9 @@ Under load a hang is seen sooner (issue 15): every tick of the loop-lag timer (r
 10 ms while a primary has requests in flight, 20 ms otherwise) the primary's stream relays are
 sampled (router/stall.py). When every one of them is silent past its own rhythm, *and* a probe sent
 to it has gone unanswered for ``hang_probe_timeout`` (shorter than ``probe_timeout``: two signals
-agree; at the silence's start one probe is sent at once, not at the next ``probe_interval``), *and*
+agree; at the silence's start one probe is sent at once, not at the next ``probe_interval``), or for
+twice the slowest of its latest answers where that is longer (``probe_wait``: an engine whose loop
+is behind answers every probe late, and is judged by its own pace, as its streams are), *and*
 no probe sent after that one got an answer, *and* the router's loop did not lag over that window,
 the instance is reported once as ``HANG``. A lag vetoes the verdict until the loop has caught up:
 the judgement then starts afresh (a new probe, a window after the lag). promotion.py fails it over at once, unless it is the
@@ -26,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 
 import structlog
@@ -47,6 +50,11 @@ PROBE_TIMEOUT = "timeout"
 # The ``why`` of a hang verdict: every stream silent and a probe unanswered (see the module doc).
 HANG = "hang: streams silent and probe unanswered"
 
+# A probe unanswered for longer than this many times the slowest of the instance's ANSWERS_KEPT
+# latest answers backs a hang verdict (probe_wait).
+ANSWER_FACTOR = 2.0
+ANSWERS_KEPT = 8
+
 # on_result(instance, generation, ok, why, latency_s)
 ResultFn = Callable[[Instance, int, bool, str, float], None]
 
@@ -65,6 +73,7 @@ class HealthMonitor:
         self._max_pending = math.ceil(config.probe_timeout / config.probe_interval) + 1
         self._sent: dict[Instance, dict[int, float]] = {}  # probes awaiting an answer: serial -> start
         self._answered: dict[Instance, float] = {}  # send time of the latest probe that got any HTTP answer
+        self._answer_s: dict[Instance, deque[float]] = {}  # how long its latest probes took to be answered
         self._serial = 0
         self._silence = StreamSilence(config.hang_stream_floor, config.hang_stream_factor)
         self._reported: dict[Instance, float] = {}  # silence start already reported as HANG
@@ -134,6 +143,7 @@ class HealthMonitor:
                 async with self._pool(inst).request("GET", inst.probe_path, b"", None) as resp:
                     # its HTTP side lived after t0, whatever it says
                     self._answered[inst] = max(self._answered.get(inst, 0.0), t0)
+                    self._answer_s.setdefault(inst, deque(maxlen=ANSWERS_KEPT)).append(time.monotonic() - t0)
                     await resp.read()
                     ok, why = resp.status == 200, f"status {resp.status}"
         except TimeoutError:
@@ -183,7 +193,7 @@ class HealthMonitor:
         vetoed = self._vetoed.get(inst, 0.0)
         answered = max(self._answered.get(inst, 0.0), vetoed)
         probe_t0 = min((t for t in self._sent.get(inst, {}).values() if t > answered), default=None)
-        if probe_t0 is None or now - probe_t0 < self.config.hang_probe_timeout:
+        if probe_t0 is None or now - probe_t0 < self.probe_wait(inst):
             if self._asked.get(inst) != (silent, vetoed):  # ask now rather than at the next probe_interval
                 self._asked[inst] = (silent, vetoed)
                 self._spawn(inst)
@@ -197,8 +207,18 @@ class HealthMonitor:
         self._reported[inst] = silent
         log.warning("hang_detected", service=inst.service, instance=inst.name,
                     streams=sum(1 for a in inst.attempts if a.last), silent_ms=round((now - silent) * 1e3, 1),
-                    probe_unanswered_ms=round((now - probe_t0) * 1e3, 1), loop_lag_ms=round(lag * 1e3, 1))
+                    probe_unanswered_ms=round((now - probe_t0) * 1e3, 1),
+                    probe_wait_ms=round(self.probe_wait(inst) * 1e3, 1), loop_lag_ms=round(lag * 1e3, 1))
         self.on_result(inst, inst.generation, False, HANG, now - probe_t0)
+
+    def probe_wait(self, inst: Instance) -> float:
+        """How long a probe of ``inst`` must go unanswered to back a hang verdict: ``hang_probe_timeout``,
+        or ``ANSWER_FACTOR`` x the slowest of its latest answers where that is longer (at most
+        ``probe_timeout``). An engine whose loop is behind (a GPU engine under overload answered in
+        240-500 ms) is judged by its own pace, as its streams are by their rhythm."""
+        answers = self._answer_s.get(inst)
+        slowest = max(answers) if answers else 0.0
+        return max(self.config.hang_probe_timeout, min(self.config.probe_timeout, ANSWER_FACTOR * slowest))
 
     def _pool(self, inst: Instance) -> Pool:
         """The probes' connections to ``inst``: never a proxied request's pool (a busy one must not

@@ -87,13 +87,14 @@ async def test_a_frozen_primary_under_streaming_load_is_failed_by_its_stalled_st
         assert counter(router, "failover_router_migrations_total") >= 1
 
 
-def pausing_app(ids: list[int], pause: float, ready_delay: float) -> web.Application:
+def pausing_app(ids: list[int], pause: float, ready_delay: float, always_late: bool = False) -> web.Application:
     """An engine that is alive but stops every stream for ``pause`` s after its third token (a long
-    prefill, a GC pause); meanwhile /ready answers, ``ready_delay`` s late."""
+    prefill, a GC pause); meanwhile /ready answers, ``ready_delay`` s late (``always_late``: every
+    /ready is, as an overloaded engine's loop answers it)."""
     paused = {"until": 0.0}
 
     async def ready(request: web.Request) -> web.Response:
-        if time.monotonic() < paused["until"]:
+        if always_late or time.monotonic() < paused["until"]:
             await asyncio.sleep(ready_delay)
         return web.json_response({"ready": True})
 
@@ -134,6 +135,33 @@ async def test_streams_that_pause_while_probes_still_answer_fence_nothing(engine
             await c.close()
             assert [o.token_ids for o in outs] == [ids] * 3
             assert launcher.fenced == [] and svc.primary is svc.instances["primary-0"]
+            assert counter(router, "failover_router_failovers_total") == 0
+
+
+async def test_an_engine_that_answers_every_probe_late_is_not_hung_by_a_pause_of_its_streams(engines):
+    """An overloaded GPU engine answered its probes in 240-500 ms and paused all its streams at once
+    (a full collection): a probe unanswered for hang_probe_timeout (0.1 s) is no evidence from an
+    engine that answers every probe 0.3 s late. Fenced before probe_wait (2 false failovers at 256
+    clients on the H100 machine, docs/router.md)."""
+    _, b = engines
+    c = client_of(b)
+    ids = (await reference(c, prompts=["Hello, world!"]))["Hello, world!"].token_ids
+    await c.close()
+    launcher = KillLauncher(engines)
+    async with serve_app(pausing_app(ids, pause=0.4, ready_delay=0.3, always_late=True), free_port()) as url:
+        config = RouterConfig(port=0, probe_timeout=1.0)  # a node's default: a 0.3 s answer is an answer
+        async with running_router(config, launcher, primary=url, standbys=[b]) as router:
+            svc = router.services["tiny"]
+            await wait_for(lambda: svc.routable() is not None and svc.instances["eng-b"].serving_ready,
+                           timeout=20, what="primary and standby ready")
+            primary = svc.instances["primary-0"]
+            await wait_for(lambda: router.health.probe_wait(primary) >= 0.5, timeout=10,
+                           what="the primary's late answers learned")
+            c = client(router)
+            outs = await asyncio.gather(*(complete(c, "Hello, world!", stream=True) for _ in range(3)))
+            await c.close()
+            assert [o.token_ids for o in outs] == [ids] * 3
+            assert launcher.fenced == [] and svc.primary is primary
             assert counter(router, "failover_router_failovers_total") == 0
 
 
