@@ -17,7 +17,7 @@ modules, the model and the tokenizer that live as long as the process.
 ``GcPauses`` times every collection through ``gc.callbacks``. The callback only adds to plain
 numbers (a lock there could deadlock: a collection may start inside any allocation, a metrics
 render's included); the metrics are read from them at scrape time (``collect``), and a pause past
-``slow_s`` is handed to ``on_slow`` (the owner logs it outside the callback: see ``notify``).
+``slow_s`` is kept for the owner and ``notify`` is called, which logs it outside the callback (``watch``).
 """
 
 from __future__ import annotations
