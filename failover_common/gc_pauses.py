@@ -129,3 +129,10 @@ def watch(registry, prefix: str, loop: asyncio.AbstractEventLoop, log, slow_s: f
     if install:
         pauses.install()
     return pauses
+
+
+def started(registry, prefix: str, loop: asyncio.AbstractEventLoop, log) -> GcPauses:
+    """A server that has just started (``failover router``, ``failover up``): freeze what its start
+    built, then ``watch`` every collection from now on (the freeze's own is a start's, not a pause)."""
+    freeze()
+    return watch(registry, prefix, loop, log)

@@ -248,8 +248,7 @@ async def _serve(config: RouterConfig, args: argparse.Namespace) -> int:
         view.extra |= {"worker": args.worker_id, "metrics_url": await metrics.start()}
         router.all_metrics = metrics.all
     await router.start()
-    gc_pauses.freeze()  # what start built is never walked again (failover_common/gc_pauses.py)
-    pauses = gc_pauses.watch(router.metrics.registry, "failover_router_", loop, log)
+    pauses = gc_pauses.started(router.metrics.registry, "failover_router_", loop, log)
     if view is not None:
         view.url = args.advertise or router.url
         view.start()

@@ -52,8 +52,7 @@ async def serve(config, progress) -> int:
         await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if starting.done() and starting.exception() is None:
             # the router runs in this process: its collections timed, what start built frozen
-            gc_pauses.freeze()
-            pauses = gc_pauses.watch(supervisor.router.metrics.registry, "failover_router_", loop, log)
+            pauses = gc_pauses.started(supervisor.router.metrics.registry, "failover_router_", loop, log)
             progress("ready; Ctrl-C stops the node")
             await stopper
             pauses.remove()

@@ -30,7 +30,7 @@ import warnings
 import msgspec
 import structlog
 
-from failover_common import frames
+from failover_common import frames, gc_pauses
 
 log = structlog.get_logger(__name__)
 
@@ -136,6 +136,7 @@ def _prepare(req: Fork) -> None:
         if prepare is not None:
             t0 = time.perf_counter()
             if prepare(req.argv):
+                gc_pauses.freeze()  # what later forks inherit, frozen with the rest
                 log.info("zygote_prepared", target=req.target, after=req.name,
                          ms=round((time.perf_counter() - t0) * 1e3, 1))
     except Exception as e:  # noqa: BLE001 - the zygote keeps forking; the engine loads it itself
@@ -231,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         importlib.import_module("cache_daemon.client").preload(a.device)
     if "engine.cli" in preload:  # on CUDA: Triton's CUDA-free first-launch work (engine.fused.preload)
         importlib.import_module("engine.cli").preload(a.device)
-    return serve(sock, preload, time.perf_counter() - t0)
+    import_s = time.perf_counter() - t0
+    gc_pauses.freeze()  # its forks inherit the frozen heap: their own freeze at ready walks only theirs
+    return serve(sock, preload, import_s)
 
 
 if __name__ == "__main__":
